@@ -1,0 +1,128 @@
+"""Agent formats: how a node's history becomes a prompt and a completion becomes an action.
+
+The default is ReAct in the OpenManus-RL dataset format: the model answers ``Think: ...`` then
+``Act: <action>``. A malformed completion is never an exception: :meth:`ReActFormat.parse` returns
+an error text that becomes the invalid-action observation.
+
+:class:`TurnEncoder` builds prompts as token ids turn by turn (first prompt, then for each
+observation only the new tokens), so a trajectory's ids are exactly what the policy saw.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Sequence
+
+from .policy import ChatTokenizer
+from .types import Task
+
+_ACT = re.compile(r"^\s*(?:\*\*)?(?:act|action)(?:\*\*)?\s*:\s*", re.IGNORECASE | re.MULTILINE)
+_THINK = re.compile(r"^\s*(?:\*\*)?(?:think|thought)(?:\*\*)?\s*:\s*", re.IGNORECASE | re.MULTILINE)
+_END = re.compile(r"^\s*(?:observation|think|thought)\s*:", re.IGNORECASE | re.MULTILINE)
+
+
+@dataclass(slots=True)
+class Parsed:
+    thought: str
+    action: str
+    error: str = ""  # non-empty when the completion is malformed
+
+
+class ReActFormat:
+    """``Think: ... / Act: ...`` prompting and parsing."""
+
+    name = "react"
+    stop: tuple[str, ...] = ("\nObservation:", "Observation:")
+
+    def __init__(self, system: str | None = None):
+        self.system = system or (
+            "You are an agent that solves tasks step by step in an environment. "
+            "In every turn, write one line 'Think: <your reasoning>' and then one line "
+            "'Act: <one action>'. The environment answers each action with an observation."
+        )
+
+    def first_messages(self, env: object, task: Task, observation: str,
+                       note: str = "") -> list[dict[str, str]]:
+        """System and first user turn: task instruction, action syntax, example, observation."""
+        parts = [f"Task: {task.instruction}".strip()]
+        if getattr(env, "action_help", ""):
+            parts.append(f"Actions:\n{env.action_help}")
+        if getattr(env, "examples", ""):
+            parts.append(f"Example turn:\n{env.examples}")
+        parts.append(f"Observation: {observation}")
+        if note:
+            parts.append(note)
+        return [{"role": "system", "content": self.system},
+                {"role": "user", "content": "\n\n".join(parts)}]
+
+    def observation_message(self, observation: str, note: str = "") -> dict[str, str]:
+        text = f"Observation: {observation}"
+        return {"role": "user", "content": f"{text}\n\n{note}" if note else text}
+
+    def parse(self, completion: str, action_help: str = "") -> Parsed:
+        text = completion.strip()
+        act = _ACT.search(text)
+        if act is None:
+            return Parsed(text, "", self._error("no 'Act:' line", action_help))
+        think = _THINK.search(text, 0, act.start())
+        thought = text[think.end():act.start()].strip() if think else text[:act.start()].strip()
+        rest = text[act.end():]
+        end = _END.search(rest)
+        if end is not None:
+            rest = rest[:end.start()]
+        action = rest.strip() if "```" in rest else rest.strip().split("\n", 1)[0].strip()
+        action = action.strip("`").strip()
+        if not action:
+            return Parsed(thought, "", self._error("the 'Act:' line is empty", action_help))
+        return Parsed(thought, action)
+
+    @staticmethod
+    def _error(what: str, action_help: str) -> str:
+        msg = f"Invalid format: {what}. Answer with 'Think: <reasoning>' then 'Act: <action>'."
+        return f"{msg}\nActions:\n{action_help}" if action_help else msg
+
+    def render(self, thought: str, action: str) -> str:
+        """The completion text this format expects for a (thought, action)."""
+        return f"Think: {thought}\nAct: {action}"
+
+
+AGENT_FORMATS = {"react": ReActFormat}
+
+
+class TurnEncoder:
+    """Token ids of the first prompt and of each later observation turn, for one tokenizer.
+
+    The observation turn's ids are the chat template's text between the end of an assistant
+    message and the next generation prompt, found once with a sentinel message; if the
+    completion already ended with the end-of-turn token, that token is not added again.
+    """
+
+    _SENTINEL = "\u2063omrl-sentinel\u2063"
+
+    def __init__(self, tokenizer: ChatTokenizer):
+        self.tok = tokenizer
+        s = self._SENTINEL
+        base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": s}]
+        closed = tokenizer.render(base, add_generation_prompt=False)
+        cut = closed.rindex(s) + len(s)
+        self._close = closed[cut:]  # end-of-turn text after an assistant message
+        after = tokenizer.render(base + [{"role": "user", "content": s}], add_generation_prompt=True)
+        if not after.startswith(closed[:cut]):
+            raise ValueError("chat template does not extend conversations by appending text")
+        tail = after[cut:]
+        i = tail.index(s)
+        self._before_obs, self._after_obs = tail[:i], tail[i + len(s):]
+        self._close_text = self._close.rstrip("\n ")
+        self._close_ids = tokenizer.encode(self._close_text) if self._close_text else []
+
+    def first_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.tok.encode(self.tok.render(messages, add_generation_prompt=True))
+
+    def observation_turn(self, content: str, completion_ids: Sequence[int]) -> list[int]:
+        """Ids that follow an assistant completion: the end of turn (unless the completion
+        already ends with it), the user turn with ``content``, and the generation prompt."""
+        prefix = self._before_obs
+        n = len(self._close_ids)
+        if n and list(completion_ids[-n:]) == self._close_ids and prefix.startswith(self._close_text):
+            prefix = prefix[len(self._close_text):]
+        return self.tok.encode(prefix + content + self._after_obs)

@@ -1,0 +1,83 @@
+"""The Python API: ``search`` one task, ``search_many`` in lockstep, ``load_tasks``, ``summarize``."""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Sequence
+
+from .agent import ReActFormat
+from .budget import Budget
+from .engine import Engine
+from .env import env_class
+from .policy import Policy, make_policy
+from .result import SearchResult
+from .reward import RewardModel, make_reward_model
+from .strategy import Strategy, make_strategy
+from .types import SamplingParams, Task
+
+SUMMARY_FIELDS = ("tasks", "successes", "success_rate", "prompt_tokens", "completion_tokens",
+                  "lm_calls", "rm_calls", "env_steps", "seconds", "faults")
+
+
+def load_tasks(env: str, split: str = "test", limit: int | None = None,
+               file: str | None = None) -> list[Task]:
+    """An env's built-in tasks for ``split``, or the tasks of a user JSONL ``file``."""
+    cls = env_class(env)
+    tasks = cls.load_tasks(file) if file else cls.tasks(split)
+    return tasks[:limit] if limit is not None else tasks
+
+
+def search_many(tasks: Sequence[Task], *, strategy: "str | Strategy" = "react",
+                policy: "str | Policy" = "scripted:oracle", reward_model: "str | RewardModel | None" = None,
+                budget: "str | dict | Budget | None" = None, seed: int = 0,
+                max_depth: int | None = None, sampling: SamplingParams | None = None,
+                concurrency: int | None = None, progress: bool = False,
+                on_result: Callable[[SearchResult], None] | None = None) -> list[SearchResult]:
+    """Search every task with one strategy, batching all trees' LM and reward-model calls.
+
+    ``budget`` applies to each task separately (``"tokens=20000"``, a dict, or a Budget).
+    """
+    strat = make_strategy(strategy)
+    pol = make_policy(policy)
+    engine = Engine(pol, reward_model=make_reward_model(reward_model), agent_format=ReActFormat(),
+                    sampling=sampling, max_depth=max_depth, seed=seed)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(tasks), desc=strat.name, unit="task", leave=False)
+    won = 0
+
+    def done(result: SearchResult) -> None:
+        nonlocal won
+        won += result.success
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(success=f"{won}/{bar.n}")
+        if on_result is not None:
+            on_result(result)
+
+    try:
+        return engine.run(strat, tasks, Budget.parse(budget), concurrency=concurrency, on_result=done)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def search(task: Task, **kwargs: Any) -> SearchResult:
+    """Search one task; the keyword arguments are those of :func:`search_many`."""
+    return search_many([task], **kwargs)[0]
+
+
+def summarize(results: Iterable[SearchResult], seconds: float | None = None) -> dict[str, Any]:
+    """Per-run figures: tasks, successes, success rate, budget spent summed, faults."""
+    results = list(results)
+    out: dict[str, Any] = dict.fromkeys(SUMMARY_FIELDS, 0)
+    out["tasks"] = len(results)
+    out["successes"] = sum(r.success for r in results)
+    out["success_rate"] = round(out["successes"] / len(results), 4) if results else 0.0
+    for r in results:
+        for key in ("prompt_tokens", "completion_tokens", "lm_calls", "rm_calls", "env_steps"):
+            out[key] += int(r.spent.get(key, 0))
+        out["faults"] += len(r.faults)
+    out["seconds"] = round(seconds if seconds is not None else sum(r.seconds for r in results), 3)
+    out["verifier_in_loop"] = any(r.verifier_in_loop for r in results)
+    return out

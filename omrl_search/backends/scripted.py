@@ -1,0 +1,125 @@
+"""Scripted policies: deterministic stand-ins for an LM, for tests and engine benchmarks.
+
+* ``scripted:oracle:p=0.3`` follows the env's expert solver and, with probability ``p``, takes a
+  different valid action instead (or writes a malformed completion when ``malformed=q``);
+* ``scripted:random`` picks uniformly among the valid actions.
+
+They read the state from the request's snapshot, restored into their own env instance, so they
+never touch the search's env. Randomness comes only from the request's seed: the same search with
+the same seed gives the same tree. Token ids come from :class:`ByteChatTokenizer`, and the
+logprob of each completion is the log-probability of the chosen action under the policy's own
+distribution, spread over its tokens, so trainers get consistent behaviour-policy logprobs.
+"""
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+from ..env import Env, make_env
+from ..policy import ByteChatTokenizer, Policy, PolicyError, register_policy
+from ..specs import SpecError, parse_kv
+from ..types import GenRequest, Generation
+
+
+class ScriptedPolicy(Policy):
+    """Base: subclasses choose an action (and its probability) from an env in the right state."""
+
+    max_batch = 1 << 30
+
+    def __init__(self) -> None:
+        self.tokenizer = ByteChatTokenizer()
+        self._envs: dict[str, Env] = {}
+
+    def generate(self, requests: list[GenRequest]) -> list[list[Generation]]:
+        out = []
+        for req in requests:
+            env = self._env_for(req.meta)
+            rng = random.Random(req.params.seed)
+            prompt_tokens = len(req.prompt_ids) if req.prompt_ids is not None else sum(
+                len(m["content"]) for m in req.messages)
+            gens = []
+            for _ in range(req.params.n):
+                text, prob = self.choose(env, rng, req.meta)
+                ids = self.tokenizer.encode(text) + [256]
+                lp = math.log(max(prob, 1e-12)) / len(ids)
+                gens.append(Generation(text, ids, [lp] * len(ids), prompt_tokens, len(ids),
+                                       "stop", True))
+            out.append(gens)
+        return out
+
+    def _env_for(self, meta: dict[str, Any]) -> Env:
+        snap = meta.get("snapshot")
+        name = meta.get("env")
+        if snap is None or name is None:
+            raise PolicyError("scripted policies need the env snapshot in the request meta")
+        env = self._envs.get(name)
+        if env is None:
+            env = self._envs[name] = make_env(name, snapshots=snap.kind)
+        env.restore(snap)
+        return env
+
+    def choose(self, env: Env, rng: random.Random, meta: dict[str, Any]) -> tuple[str, float]:
+        raise NotImplementedError
+
+    @staticmethod
+    def completion(thought: str, action: str) -> str:
+        return f"Think: {thought}\nAct: {action}"
+
+    def close(self) -> None:
+        for env in self._envs.values():
+            env.close()
+        self._envs.clear()
+
+
+class OraclePolicy(ScriptedPolicy):
+    """The expert solver's action, wrong with probability ``p``."""
+
+    def __init__(self, p: float = 0.0, malformed: float = 0.0):
+        super().__init__()
+        if not 0.0 <= p <= 1.0 or not 0.0 <= malformed <= 1.0:
+            raise PolicyError(f"scripted:oracle needs 0 <= p, malformed <= 1 (got p={p}, malformed={malformed})")
+        self.p, self.malformed = p, malformed
+        self.name = f"scripted:oracle:p={p}"
+
+    def choose(self, env, rng, meta):
+        if self.malformed and rng.random() < self.malformed:
+            return "I am not sure what to do.", self.malformed
+        expert = env.expert_action()
+        others = [a for a in (env.valid_actions() or []) if a != expert]
+        if expert is None or (others and rng.random() < self.p):
+            if not others:
+                return self.completion("No idea, trying anything.", "noop"), 1.0
+            action = others[rng.randrange(len(others))]
+            return self.completion("Trying another step.", action), self.p / len(others)
+        prob = (1 - self.p) if others else 1.0
+        return self.completion("Following the plan.", expert), prob
+
+
+class RandomPolicy(ScriptedPolicy):
+    """A uniformly random valid action."""
+
+    name = "scripted:random"
+
+    def choose(self, env, rng, meta):
+        actions = env.valid_actions()
+        if not actions:
+            raise PolicyError(f"scripted:random needs valid_actions() from env {env.name!r}")
+        return self.completion("Random choice.", actions[rng.randrange(len(actions))]), 1 / len(actions)
+
+
+@register_policy("scripted")
+def _scripted(arg: str) -> Policy:
+    kind, _, rest = arg.partition(":")
+    try:
+        opts = parse_kv(rest, "policy")
+    except SpecError as exc:
+        raise PolicyError(str(exc)) from None
+    if kind == "oracle":
+        unknown = set(opts) - {"p", "malformed"}
+        if unknown:
+            raise PolicyError(f"scripted:oracle: unknown option(s) {', '.join(sorted(unknown))}")
+        return OraclePolicy(float(opts.get("p", 0.0)), float(opts.get("malformed", 0.0)))
+    if kind == "random" and not opts:
+        return RandomPolicy()
+    raise PolicyError(f"unknown scripted policy {arg!r} (known: scripted:oracle[:p=P], scripted:random)")

@@ -1,0 +1,98 @@
+"""The compute budget charged at every call (DESIGN §4).
+
+Kinds: ``prompt_tokens``, ``completion_tokens``, ``tokens`` (both together), ``lm_calls`` (one per
+request sent to the policy, whatever its ``n``), ``rm_calls`` (one per prefix scored),
+``env_steps`` and ``seconds`` (wall time). A strategy checks the budget *before* each batched
+call, so a search overshoots a limit by at most the one batch in flight.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .specs import SpecError, parse_kv
+
+KINDS = ("tokens", "prompt_tokens", "completion_tokens", "lm_calls", "rm_calls", "env_steps", "seconds")
+
+
+class BudgetExhausted(Exception):
+    """Raised by an engine primitive when the search's budget is spent."""
+
+
+@dataclass(slots=True)
+class Spent:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    lm_calls: int = 0
+    rm_calls: int = 0
+    env_steps: int = 0
+    seconds: float = 0.0
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def as_dict(self) -> dict[str, float]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "tokens": self.tokens, "lm_calls": self.lm_calls, "rm_calls": self.rm_calls,
+                "env_steps": self.env_steps, "seconds": round(self.seconds, 4)}
+
+
+@dataclass(slots=True)
+class Budget:
+    """Limits on any budget kind plus what has been spent; ``None`` means unlimited."""
+
+    limits: dict[str, float] = field(default_factory=dict)
+    spent: Spent = field(default_factory=Spent)
+    _start: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self) -> None:
+        for kind, value in self.limits.items():
+            if kind not in KINDS:
+                raise SpecError(f"unknown budget kind {kind!r} (known: {', '.join(KINDS)})")
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise SpecError(f"budget {kind}={value!r} must be a positive number")
+
+    @classmethod
+    def parse(cls, spec: "str | dict[str, float] | Budget | None") -> "Budget":
+        """``"tokens=20000,env_steps=500"``, a dict of limits, a Budget (its limits) or None."""
+        if spec is None:
+            return cls()
+        if isinstance(spec, Budget):
+            return cls(dict(spec.limits))
+        if isinstance(spec, str):
+            spec = parse_kv(spec, "budget")
+        return cls(dict(spec))
+
+    def fresh(self) -> "Budget":
+        """Same limits, nothing spent (one per task in ``search_many``)."""
+        return Budget(dict(self.limits))
+
+    def value(self, kind: str) -> float:
+        if kind == "seconds":
+            return time.perf_counter() - self._start
+        return getattr(self.spent, kind)
+
+    def exhausted(self) -> str | None:
+        """The first budget kind whose limit is reached, or None."""
+        for kind, limit in self.limits.items():
+            if self.value(kind) >= limit:
+                return kind
+        return None
+
+    def check(self) -> None:
+        kind = self.exhausted()
+        if kind is not None:
+            raise BudgetExhausted(kind)
+
+    def charge(self, *, prompt_tokens: int = 0, completion_tokens: int = 0, lm_calls: int = 0,
+               rm_calls: int = 0, env_steps: int = 0) -> None:
+        s = self.spent
+        s.prompt_tokens += prompt_tokens
+        s.completion_tokens += completion_tokens
+        s.lm_calls += lm_calls
+        s.rm_calls += rm_calls
+        s.env_steps += env_steps
+
+    def stop_clock(self) -> None:
+        self.spent.seconds = time.perf_counter() - self._start

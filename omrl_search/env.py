@@ -1,0 +1,294 @@
+"""The environment contract (DESIGN §4): Gymnasium-like, text in and out, plus snapshots.
+
+An env subclasses :class:`Env` and one snapshot piece:
+
+* :class:`ValueSnapshots` — the state is plain data kept in ``self.state``; a snapshot is that
+  data (states should be immutable values, e.g. tuples, so no copy is needed);
+* :class:`NativeSnapshots` — the env's own save/load (SQLite ``backup()``, a git tree, ...);
+* :class:`ReplayEnv` — a wrapper that snapshots any deterministic env as *reset + action prefix*,
+  and checks the state key after replay to detect divergence.
+
+Envs register themselves with :func:`register_env` and are built by :func:`make_env`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Iterable
+
+from .types import Snapshot, StepResult, Task
+
+
+class EnvError(Exception):
+    """Raised for misuse of an env (step before reset, restoring a foreign snapshot...)."""
+
+
+class ReplayDivergence(EnvError):
+    """A replayed action prefix did not reach the recorded state (the env is not deterministic)."""
+
+
+class TaskFileError(ValueError):
+    """A user task file has a bad line; the message is ``file:line: reason``."""
+
+
+def stable_hash(obj: Any) -> str:
+    """A short, process-independent hash of plain data (for state keys and split assignment)."""
+    data = obj if isinstance(obj, (bytes, str)) else repr(obj)
+    if isinstance(data, str):
+        data = data.encode()
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+class Env(ABC):
+    """A text environment whose state can be snapshotted and restored.
+
+    Class attributes describe the env to prompts and tools: ``name``, ``action_help`` (the
+    action syntax, shown to the model and in invalid-action messages), ``max_steps`` (default
+    horizon of a search) and ``snapshot_kind``.
+    """
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    action_help: ClassVar[str] = ""
+    examples: ClassVar[str] = ""
+    max_steps: ClassVar[int] = 20
+    snapshot_kind: ClassVar[str] = "value"
+    can_restore: ClassVar[bool] = True
+
+    # --- episode -------------------------------------------------------------------------
+    @abstractmethod
+    def reset(self, task: Task) -> str:
+        """Start ``task``; return the first observation."""
+
+    @abstractmethod
+    def step(self, action: str) -> StepResult:
+        """Apply one action. Malformed actions return an observation saying what was wrong and
+        what the syntax is (``info["valid"] = False``); they never raise. At ``done``,
+        ``info["success"]`` says whether the task was solved."""
+
+    @abstractmethod
+    def observe(self) -> str:
+        """The current observation (what ``reset``/``step`` last showed)."""
+
+    @abstractmethod
+    def state_key(self) -> str:
+        """A hash of the full state, for dedup and for detecting replay divergence."""
+
+    @abstractmethod
+    def snapshot(self) -> Snapshot: ...
+
+    @abstractmethod
+    def restore(self, snapshot: Snapshot) -> None: ...
+
+    def valid_actions(self) -> list[str] | None:
+        """The admissible actions in the current state, when the env can list them."""
+        return None
+
+    def expert_action(self) -> str | None:
+        """The expert solver's next action from the current state (None if unsolvable)."""
+        return None
+
+    def close(self) -> None:
+        """Release resources (processes, files)."""
+
+    # --- task sets -----------------------------------------------------------------------
+    @classmethod
+    def tasks(cls, split: str, limit: int | None = None) -> list[Task]:
+        """The env's generated or shipped tasks for ``split`` (train and test never overlap)."""
+        raise NotImplementedError(f"env {cls.name!r} has no built-in task set")
+
+    @classmethod
+    def task_from_dict(cls, row: dict[str, Any]) -> Task:
+        """Validate one user task (a JSONL row); raise ``ValueError(reason)`` when it is bad."""
+        raise NotImplementedError(f"env {cls.name!r} does not load task files")
+
+    @classmethod
+    def load_tasks(cls, path: str | Path) -> list[Task]:
+        """Load user tasks from JSONL; a bad line raises :class:`TaskFileError` as ``file:line: reason``."""
+        return load_task_file(path, cls.task_from_dict)
+
+
+def load_task_file(path: str | Path, parse: Callable[[dict[str, Any]], Task]) -> list[Task]:
+    """Read a JSONL task file, validating every line before returning any task."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise TaskFileError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    tasks = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TaskFileError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise TaskFileError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        try:
+            tasks.append(parse(row))
+        except (ValueError, TypeError, KeyError) as exc:
+            reason = exc.args[0] if exc.args else type(exc).__name__
+            if isinstance(exc, KeyError):
+                reason = f"missing field {reason!r}"
+            raise TaskFileError(f"{path}:{lineno}: {reason}") from None
+    if not tasks:
+        raise TaskFileError(f"{path}: no tasks in file")
+    return tasks
+
+
+class ValueSnapshots:
+    """Snapshot piece for envs whose whole state is the plain value ``self.state``.
+
+    The env must treat ``self.state`` as immutable (replace it, never mutate it) so that a
+    snapshot can share it without copying; ``render()`` turns it into the observation.
+    """
+
+    snapshot_kind: ClassVar[str] = "value"
+    state: Any
+
+    def snapshot(self) -> Snapshot:
+        if getattr(self, "state", None) is None:
+            raise EnvError("snapshot() before reset()")
+        return Snapshot("value", self.state, self.state_key(), self.observe())
+
+    def restore(self, snapshot: Snapshot) -> None:
+        if snapshot.kind != "value":
+            raise EnvError(f"cannot restore a {snapshot.kind!r} snapshot into a value-snapshot env")
+        self.state = snapshot.payload
+
+    def state_key(self) -> str:
+        return stable_hash(self.state)
+
+
+class NativeSnapshots:
+    """Snapshot piece for envs with their own save/load (``save_native``/``load_native``)."""
+
+    snapshot_kind: ClassVar[str] = "native"
+
+    def save_native(self) -> Any:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def load_native(self, payload: Any) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot("native", self.save_native(), self.state_key(), self.observe())
+
+    def restore(self, snapshot: Snapshot) -> None:
+        if snapshot.kind != "native":
+            raise EnvError(f"cannot restore a {snapshot.kind!r} snapshot into a native-snapshot env")
+        self.load_native(snapshot.payload)
+
+
+class ReplayEnv(Env):
+    """Snapshots any deterministic env by replay: reset to the task, re-apply the action prefix.
+
+    The universal fallback (remote envs, envs without a save). After a replay the state key is
+    compared with the one recorded at snapshot time; a mismatch raises :class:`ReplayDivergence`
+    so a search treats the branch as failed instead of trusting a different state.
+    """
+
+    snapshot_kind: ClassVar[str] = "replay"
+
+    def __init__(self, inner: Env):
+        self.inner = inner
+        self.name = inner.name
+        self.action_help = inner.action_help
+        self.examples = inner.examples
+        self.description = inner.description
+        self.max_steps = inner.max_steps
+        self._task: Task | None = None
+        self._actions: tuple[str, ...] = ()
+
+    def reset(self, task: Task) -> str:
+        self._task, self._actions = task, ()
+        return self.inner.reset(task)
+
+    def step(self, action: str) -> StepResult:
+        if self._task is None:
+            raise EnvError("step() before reset()")
+        self._actions = self._actions + (action,)
+        return self.inner.step(action)
+
+    def observe(self) -> str:
+        return self.inner.observe()
+
+    def state_key(self) -> str:
+        return self.inner.state_key()
+
+    def snapshot(self) -> Snapshot:
+        if self._task is None:
+            raise EnvError("snapshot() before reset()")
+        return Snapshot("replay", (self._task, self._actions), self.state_key(), self.observe())
+
+    def restore(self, snapshot: Snapshot) -> None:
+        if snapshot.kind != "replay":
+            raise EnvError(f"cannot restore a {snapshot.kind!r} snapshot by replay")
+        task, actions = snapshot.payload
+        self.reset(task)
+        for action in actions:
+            self.step(action)
+        if self.state_key() != snapshot.state_key:
+            raise ReplayDivergence(
+                f"replaying {len(actions)} actions of task {task.task_id} reached a different state"
+            )
+
+    def valid_actions(self) -> list[str] | None:
+        return self.inner.valid_actions()
+
+    def expert_action(self) -> str | None:
+        return self.inner.expert_action()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+# --- registry ----------------------------------------------------------------------------
+_ENVS: dict[str, type[Env]] = {}
+
+
+def register_env(name: str) -> Callable[[type[Env]], type[Env]]:
+    """Class decorator: make an env available to :func:`make_env` and the CLI."""
+
+    def deco(cls: type[Env]) -> type[Env]:
+        cls.name = name
+        _ENVS[name] = cls
+        return cls
+
+    return deco
+
+
+def _load_builtin_envs() -> None:
+    import envs  # noqa: F401  (registers the bundled envs)
+
+
+def list_envs() -> list[str]:
+    _load_builtin_envs()
+    return sorted(_ENVS)
+
+
+def env_class(name: str) -> type[Env]:
+    _load_builtin_envs()
+    try:
+        return _ENVS[name]
+    except KeyError:
+        raise KeyError(f"unknown env {name!r} (known: {', '.join(sorted(_ENVS))})") from None
+
+
+def make_env(name: str, *, snapshots: str | None = None, **kwargs: Any) -> Env:
+    """Build a registered env. ``snapshots="replay"`` forces replay snapshots on any env."""
+    env = env_class(name)(**kwargs)
+    if snapshots in (None, env.snapshot_kind):
+        return env
+    if snapshots == "replay":
+        return ReplayEnv(env)
+    raise ValueError(f"env {name!r} cannot snapshot by {snapshots!r}")
+
+
+def iter_valid_kinds(name: str) -> Iterable[str]:
+    """Snapshot kinds an env can be run with: its own, and replay."""
+    kind = env_class(name).snapshot_kind
+    return (kind,) if kind == "replay" else (kind, "replay")

@@ -1,0 +1,115 @@
+"""The policy contract (DESIGN §4): a batched LM backend.
+
+``generate(requests)`` takes a list of :class:`GenRequest` and returns, per request, its ``n``
+:class:`Generation` s, each with text, exact token ids, logprobs and usage. A backend that has a
+tokenizer exposes it as :attr:`Policy.tokenizer` (a :class:`ChatTokenizer`); the engine then
+builds prompts as token ids turn by turn, so the ids a trainer sees are the ids the policy saw.
+
+Backends register a factory under a spec name: ``make_policy("scripted:oracle:p=0.3")``.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Callable, Protocol, Sequence
+
+from .types import GenRequest, Generation
+
+
+class PolicyError(Exception):
+    """A backend could not be built or could not generate (bad spec, missing model file...)."""
+
+
+class ChatTokenizer(Protocol):
+    """What the engine needs from a backend's tokenizer."""
+
+    eos_token_ids: frozenset[int]
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        """The chat template applied to ``messages`` as text."""
+        ...
+
+
+class Policy(ABC):
+    """A batched LM backend."""
+
+    name: str = "policy"
+    tokenizer: ChatTokenizer | None = None
+    #: how many sequences one backend call may hold; the engine splits larger rounds.
+    max_batch: int = 64
+
+    @abstractmethod
+    def generate(self, requests: list[GenRequest]) -> list[list[Generation]]:
+        """Return ``requests[i].params.n`` generations for each request, in order."""
+
+    def reload(self, path: str) -> None:
+        """Pick up new weights (after training). Backends that can, override this."""
+        raise PolicyError(f"backend {self.name!r} cannot reload weights")
+
+    def close(self) -> None:
+        """Free the model."""
+
+
+class ByteChatTokenizer:
+    """A tiny deterministic tokenizer (UTF-8 bytes, ids 0–255, EOS = 256) with a plain chat
+    template; gives scripted policies real token ids and segments without any model."""
+
+    eos_token_ids = frozenset({256})
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode(errors="replace")
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        out = "".join(f"<{m['role']}>\n{m['content']}\n</{m['role']}>\n" for m in messages)
+        return out + ("<assistant>\n" if add_generation_prompt else "")
+
+
+# --- registry ----------------------------------------------------------------------------
+_POLICIES: dict[str, Callable[[str], Policy]] = {}
+
+
+def register_policy(name: str) -> Callable[[Callable[[str], Policy]], Callable[[str], Policy]]:
+    """Register a factory that builds a policy from the text after ``name:`` in a spec."""
+
+    def deco(factory: Callable[[str], Policy]) -> Callable[[str], Policy]:
+        _POLICIES[name] = factory
+        return factory
+
+    return deco
+
+
+def list_policies() -> list[str]:
+    from . import backends  # noqa: F401
+
+    return sorted(_POLICIES)
+
+
+def make_policy(spec: str | Policy) -> Policy:
+    """Build a policy from a spec: ``smollm2``, ``hf:PATH``, ``llamacpp:FILE.gguf``,
+    ``scripted:oracle:p=0.3``, ``scripted:random``; a :class:`Policy` passes through."""
+    if isinstance(spec, Policy):
+        return spec
+    from . import backends  # noqa: F401  (registers the bundled backends)
+
+    name, _, arg = spec.partition(":")
+    if name not in _POLICIES:
+        raise PolicyError(f"unknown policy {spec!r} (known: {', '.join(sorted(_POLICIES))})")
+    return _POLICIES[name](arg)
+
+
+def require(module: str, extra: str) -> Any:
+    """Import an optional dependency or fail with one line naming the extra to install."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise PolicyError(
+            f"this backend needs {module!r}: pip install 'omrl-search[{extra}]'"
+        ) from None

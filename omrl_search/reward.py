@@ -1,0 +1,73 @@
+"""The reward-model contract (DESIGN §4): ``score(prefixes) -> per-step scores``, batched.
+
+Implementations (PRM, ORM, rules, judge) live in the ``reward_models`` package and register a
+factory here; the engine calls :meth:`RewardModel.score` once per round for every tree's pending
+prefixes and reduces per-step scores with :func:`aggregate`.
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from typing import Callable
+
+from .tree import Trajectory
+
+AGGREGATIONS = ("min", "last", "prod", "mean")
+
+
+def aggregate(scores: list[float], how: str) -> float:
+    """Reduce per-step scores to one value (search-and-learn's conventions)."""
+    if not scores:
+        return 0.0
+    if how == "last":
+        return scores[-1]
+    if how == "min":
+        return min(scores)
+    if how == "mean":
+        return sum(scores) / len(scores)
+    if how == "prod":
+        return math.prod(scores)
+    raise ValueError(f"unknown aggregation {how!r} (known: {', '.join(AGGREGATIONS)})")
+
+
+class RewardModel(ABC):
+    """Scores trajectory prefixes step by step."""
+
+    name: str = "reward_model"
+    aggregation: str = "last"
+
+    @abstractmethod
+    def score(self, prefixes: list[Trajectory]) -> list[list[float]]:
+        """One score per step of each prefix (a prefix with no steps gets ``[]``)."""
+
+    def value(self, prefixes: list[Trajectory]) -> list[float]:
+        return [aggregate(s, self.aggregation) for s in self.score(prefixes)]
+
+
+_RMS: dict[str, Callable[..., RewardModel]] = {}
+
+
+def register_reward_model(name: str) -> Callable:
+    def deco(factory: Callable[..., RewardModel]) -> Callable[..., RewardModel]:
+        _RMS[name] = factory
+        return factory
+
+    return deco
+
+
+def list_reward_models() -> list[str]:
+    import reward_models  # noqa: F401
+
+    return sorted(_RMS)
+
+
+def make_reward_model(spec: "str | RewardModel | None") -> RewardModel | None:
+    """``"rules:format=0.2,outcome=1"``, ``"prm:PATH"`` (when registered), a model, or None."""
+    if spec is None or isinstance(spec, RewardModel):
+        return spec
+    import reward_models  # noqa: F401
+
+    name, _, arg = spec.partition(":")
+    if name not in _RMS:
+        raise ValueError(f"unknown reward model {spec!r} (known: {', '.join(sorted(_RMS))})")
+    return _RMS[name](arg)

@@ -1,0 +1,81 @@
+"""The strategy contract (DESIGN §4) and its registry.
+
+A strategy is a small dataclass of hyper-parameters with ``async def run(ctx)`` that grows the
+tree through the context's batched primitives, and ``select(ctx)`` that names the final node.
+One instance serves many tasks at once (``search_many``), so per-search state lives in the
+context or the tree, never on ``self``.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import fields
+from typing import Any, Callable, ClassVar, Iterable
+
+from .specs import SpecError, parse_spec
+from .tree import Node
+
+
+class Strategy:
+    name: ClassVar[str] = ""
+    #: True when the final choice consults the env's success check (not a fair test-time method)
+    verifier_in_loop: bool = False
+
+    async def run(self, ctx: Any) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def select(self, ctx: Any) -> Node | None:
+        """The node whose path is the search's answer (default: the last node added)."""
+        return ctx.tree.nodes[-1]
+
+    def spec(self) -> str:
+        params = ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))  # type: ignore[arg-type]
+        return f"{self.name}:{params}" if params else self.name
+
+
+def majority_vote(nodes: Iterable[Node]) -> Node | None:
+    """The first node carrying the most common final answer (ties: earliest answer wins)."""
+    nodes = [n for n in nodes if n.step is not None and n.step.info.get("answer") is not None]
+    if not nodes:
+        return None
+    counts = Counter(str(n.step.info["answer"]) for n in nodes)
+    top = max(counts.values())
+    return next(n for n in nodes if counts[str(n.step.info["answer"])] == top)
+
+
+_STRATEGIES: dict[str, type[Strategy]] = {}
+
+
+def register_strategy(name: str) -> Callable[[type], type]:
+    def deco(cls: type) -> type:
+        cls.name = name
+        _STRATEGIES[name] = cls
+        return cls
+
+    return deco
+
+
+def list_strategies() -> list[str]:
+    import strategies  # noqa: F401
+
+    return sorted(_STRATEGIES)
+
+
+def make_strategy(spec: "str | Strategy") -> Strategy:
+    """``"best_of_n:n=8,select=vote"`` -> a configured strategy; a Strategy passes through."""
+    if isinstance(spec, Strategy):
+        return spec
+    import strategies  # noqa: F401
+
+    name, params = parse_spec(spec, "strategy")
+    if name not in _STRATEGIES:
+        raise SpecError(f"unknown strategy {name!r} (known: {', '.join(sorted(_STRATEGIES))})")
+    cls = _STRATEGIES[name]
+    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    bad = sorted(set(params) - known)
+    if bad:
+        raise SpecError(f"strategy {name!r} has no parameter {', '.join(bad)} "
+                        f"(known: {', '.join(sorted(known)) or 'none'})")
+    try:
+        return cls(**params)
+    except (TypeError, ValueError) as exc:
+        raise SpecError(f"bad strategy {spec!r}: {exc}") from None

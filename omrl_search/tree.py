@@ -1,0 +1,146 @@
+"""Search trees: nodes (a step plus the env snapshot after it), root-to-leaf trajectories.
+
+The tree is a ``networkx.DiGraph`` over node ids (Graph-of-Thoughts adds merge edges, making it a
+DAG); node records live in a plain list so the hot path never goes through networkx attribute
+dicts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import networkx as nx
+
+from .types import Segment, Snapshot, Step, Task
+
+OPEN, EXPANDED, TERMINAL, FAILED, PRUNED = "open", "expanded", "terminal", "failed", "pruned"
+
+
+@dataclass(slots=True, eq=False)
+class Node:
+    """A search-tree node: the step that led here, the snapshot after it and search statistics."""
+
+    id: int
+    parent: int | None
+    depth: int
+    observation: str
+    step: Step | None = None
+    snapshot: Snapshot | None = None
+    state_key: str = ""
+    children: list[int] = field(default_factory=list)
+    visits: int = 0
+    value_sum: float = 0.0
+    prior: float = 1.0
+    score: float | None = None  # reward-model / value score of the path ending here
+    terminal: bool = False
+    success: bool = False
+    status: str = OPEN
+    error: str = ""
+
+    @property
+    def value(self) -> float:
+        return self.value_sum / self.visits if self.visits else 0.0
+
+
+class SearchTree:
+    """All nodes of one search, root first; edges in ``graph`` (tree edges and merge edges)."""
+
+    __slots__ = ("task", "nodes", "graph")
+
+    def __init__(self, task: Task, observation: str, snapshot: Snapshot | None):
+        self.task = task
+        self.graph = nx.DiGraph()
+        root = Node(0, None, 0, observation, snapshot=snapshot,
+                    state_key=snapshot.state_key if snapshot else "")
+        self.nodes: list[Node] = [root]
+        self.graph.add_node(0)
+
+    @property
+    def root(self) -> Node:
+        return self.nodes[0]
+
+    def add_child(self, parent: Node, step: Step, snapshot: Snapshot | None, state_key: str) -> Node:
+        node = Node(len(self.nodes), parent.id, parent.depth + 1, step.observation, step=step,
+                    snapshot=snapshot, state_key=state_key)
+        self.nodes.append(node)
+        parent.children.append(node.id)
+        self.graph.add_edge(parent.id, node.id)
+        return node
+
+    def add_merge_edge(self, source: Node, target: Node) -> None:
+        """An extra parent edge (Graph-of-Thoughts aggregation)."""
+        self.graph.add_edge(source.id, target.id, merge=True)
+
+    def path(self, node: Node) -> list[Node]:
+        """Root-to-``node`` along tree (first-parent) edges."""
+        out = []
+        cur: Node | None = node
+        while cur is not None:
+            out.append(cur)
+            cur = self.nodes[cur.parent] if cur.parent is not None else None
+        out.reverse()
+        return out
+
+    def trajectory(self, node: Node) -> "Trajectory":
+        return Trajectory(self.task, self.path(node))
+
+    def leaves(self) -> Iterator[Node]:
+        return (n for n in self.nodes if not n.children)
+
+    def terminals(self) -> Iterator[Node]:
+        return (n for n in self.nodes if n.terminal)
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+
+@dataclass(slots=True)
+class Trajectory:
+    """A root-to-node path: the task, the root observation and the steps taken."""
+
+    task: Task
+    nodes: list[Node]
+
+    @property
+    def steps(self) -> list[Step]:
+        return [n.step for n in self.nodes[1:] if n.step is not None]
+
+    @property
+    def leaf(self) -> Node:
+        return self.nodes[-1]
+
+    @property
+    def success(self) -> bool:
+        return self.leaf.success
+
+    @property
+    def answer(self) -> str | None:
+        step = self.leaf.step
+        return None if step is None else step.info.get("answer")
+
+    def messages(self, first_user: str) -> list[dict[str, str]]:
+        """Chat messages: ``first_user`` (the rendered first prompt), then assistant completions
+        and observation turns. Observation after the last step is included as a final user turn."""
+        msgs = [{"role": "user", "content": first_user}]
+        for step in self.steps:
+            msgs.append({"role": "assistant", "content": step.completion})
+            msgs.append({"role": "user", "content": step.observation})
+        return msgs
+
+    def segments(self) -> list[Segment]:
+        """Token segments ``(role, token_ids, logprobs, trainable)`` from the exact ids recorded
+        at generation time; trainers derive every loss mask from these. Empty if the policy
+        had no tokenizer."""
+        segs: list[Segment] = []
+        for step in self.steps:
+            if step.context_ids is None or step.completion_ids is None:
+                return []
+            if step.context_ids:
+                segs.append(Segment("context", list(step.context_ids), None, False))
+            segs.append(Segment("assistant", list(step.completion_ids),
+                                list(step.logprobs) if step.logprobs is not None else None, True))
+        return segs
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"task_id": self.task.task_id, "node_ids": [n.id for n in self.nodes],
+                "success": self.success}

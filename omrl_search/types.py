@@ -1,0 +1,116 @@
+"""The plain records every part of omrl-search passes around (DESIGN §3).
+
+They are slotted dataclasses so the search's hot path stays cheap; validation happens at the
+boundaries (files, CLI, HTTP) through pydantic ``TypeAdapter``s over these same classes
+(see :mod:`omrl_search.io`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class Task:
+    """One episode to solve: which env, which task, and what the env needs to reset to it."""
+
+    env: str
+    task_id: str
+    split: str = "test"
+    seed: int = 0
+    instruction: str = ""
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What ``Env.step`` returns (Gymnasium's tuple, text in and out)."""
+
+    observation: str
+    reward: float = 0.0
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """A restorable env state.
+
+    ``kind`` is ``value`` (plain data), ``native`` (the env's own save) or ``replay`` (task +
+    action prefix). A snapshot restores into any instance of the env class that made it, which is
+    what lets the engine pool env instances and the scripted oracle consult its own copy.
+    """
+
+    kind: str
+    payload: Any
+    state_key: str
+    observation: str
+
+
+@dataclass(slots=True)
+class Segment:
+    """A run of tokens in a trajectory: who produced them and whether they carry loss."""
+
+    role: str  # "context" (prompt / observation turns) or "assistant"
+    token_ids: list[int]
+    logprobs: list[float] | None
+    trainable: bool
+
+
+@dataclass(slots=True)
+class Step:
+    """One agent turn.
+
+    ``context_ids`` are the prompt tokens added before this turn (the whole first prompt for the
+    first step, the observation turn after that); the full prompt the policy saw is the
+    concatenation of ``context_ids`` and ``completion_ids`` along the path. Keeping the exact ids
+    (never re-rendering the chat template) is what makes RL losses on these steps sound.
+    """
+
+    completion: str
+    thought: str
+    action: str
+    observation: str
+    reward: float = 0.0
+    done: bool = False
+    valid: bool = True
+    context_ids: list[int] | None = None
+    completion_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Sampling parameters of one generation request (vLLM's names)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 96
+    stop: tuple[str, ...] = ()
+    n: int = 1
+    seed: int | None = None
+
+
+@dataclass(slots=True)
+class GenRequest:
+    """A prompt for the policy: token ids when the engine has the policy's tokenizer, chat
+    messages always. ``meta`` carries what scripted policies need (task, env snapshot)."""
+
+    messages: list[dict[str, str]]
+    params: SamplingParams
+    prompt_ids: list[int] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Generation:
+    """One sampled completion with its exact token ids, their logprobs and its usage."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str = "stop"  # "stop" (EOS or stop string) or "length"
+    ended_with_eos: bool = False

@@ -1,0 +1,18 @@
+"""ReAct (Yao et al., 2023): one chain of Think/Act/Observation turns until the episode ends.
+
+The baseline every search strategy is compared against. Greedy by default.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omrl_search.strategy import Strategy, register_strategy
+
+
+@register_strategy("react")
+@dataclass
+class ReAct(Strategy):
+    temperature: float = 0.0
+
+    async def run(self, ctx) -> None:
+        await ctx.rollout([ctx.root], temperature=self.temperature)
