@@ -16,8 +16,8 @@ from typing import Sequence
 from .policy import ChatTokenizer
 from .types import Task
 
-_ACT = re.compile(r"^\s*(?:\*\*)?(?:act|action)(?:\*\*)?\s*:\s*", re.IGNORECASE | re.MULTILINE)
-_THINK = re.compile(r"^\s*(?:\*\*)?(?:think|thought)(?:\*\*)?\s*:\s*", re.IGNORECASE | re.MULTILINE)
+_ACT = re.compile(r"^\s*\**\s*(?:act|action)\s*\**\s*:\s*\**\s*", re.IGNORECASE | re.MULTILINE)
+_THINK = re.compile(r"^\s*\**\s*(?:think|thought)\s*\**\s*:\s*\**\s*", re.IGNORECASE | re.MULTILINE)
 _END = re.compile(r"^\s*(?:observation|think|thought)\s*:", re.IGNORECASE | re.MULTILINE)
 
 

@@ -1,0 +1,54 @@
+"""The omrl command: outputs, summary fields, and one-line errors that write nothing."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from omrl_search.api import SUMMARY_FIELDS
+from omrl_search.cli import main
+
+
+def test_search_writes_results_and_summary(tmp_path, capsys):
+    out = tmp_path / "run"
+    rc = main(["search", "--env", "game24", "--split", "test", "--limit", "6",
+               "--strategy", "react", "--strategy", "best_of_n:n=4",
+               "--policy", "scripted:oracle:p=0.3", "--budget", "tokens=20000",
+               "--seed", "0", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary) == {"react", "best_of_n"}
+    for row in summary.values():
+        assert set(SUMMARY_FIELDS) <= set(row) and row["tasks"] == 6
+    lines = (out / "results.jsonl").read_text().splitlines()
+    assert len(lines) == 12 and json.loads(lines[0])["tree"]["nodes"]
+    table = capsys.readouterr().out
+    assert "best_of_n" in table and "success_rate" in table
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--env", "nope"], "unknown env 'nope'"),
+    (["--env", "game24", "--strategy", "zigzag"], "unknown strategy 'zigzag'"),
+    (["--env", "game24", "--strategy", "best_of_n:m=2"], "has no parameter m"),
+    (["--env", "game24", "--policy", "gpt9"], "unknown policy 'gpt9'"),
+    (["--env", "game24", "--policy", "scripted:oracle:p=2"], "p=2"),
+    (["--env", "game24", "--budget", "tokens=-5"], "tokens=-5"),
+    (["--env", "game24", "--budget", "joules=5"], "unknown budget kind 'joules'"),
+    (["--env", "game24", "--limit", "0"], "--limit"),
+])
+def test_bad_arguments_one_line_no_output(tmp_path, capsys, args, needle):
+    out = tmp_path / "run"
+    rc = main(["search", *args, "--out", str(out), "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert len(err.splitlines()) == 1 and needle in err
+    assert not out.exists()
+
+
+def test_bad_task_file_reports_file_and_line(tmp_path, capsys):
+    f = tmp_path / "tasks.jsonl"
+    f.write_text('{"numbers": [4, 6, 1, 1]}\n{"numbers": [4, 6]}\n')
+    rc = main(["search", "--env", "game24", "--file", str(f), "--out", str(tmp_path / "o"),
+               "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and f"{f}:2: " in err and not (tmp_path / "o").exists()

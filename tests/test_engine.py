@@ -1,0 +1,184 @@
+"""The batched engine: determinism, lockstep batching, budgets, faults and exact token ids."""
+from __future__ import annotations
+
+import pytest
+
+import omrl_search as om
+from omrl_search.backends.scripted import OraclePolicy
+from omrl_search.env import ValueSnapshots, env_class
+from omrl_search.types import StepResult
+
+TASKS = om.load_tasks("game24", "test", limit=50)
+
+
+def _summary(results):
+    s = om.summarize(results)
+    s.pop("seconds")
+    return s
+
+
+class Recording(OraclePolicy):
+    """The oracle, recording every batch it is asked for."""
+
+    def __init__(self, p=0.3):
+        super().__init__(p)
+        self.batches = []
+
+    def generate(self, requests):
+        self.batches.append(requests)
+        return super().generate(requests)
+
+
+def test_seeded_scripted_runs_are_identical():
+    a = om.search_many(TASKS, strategy="best_of_n:n=4", policy="scripted:oracle:p=0.3", seed=7)
+    b = om.search_many(TASKS, strategy="best_of_n:n=4", policy="scripted:oracle:p=0.3", seed=7)
+    assert _summary(a) == _summary(b)
+    assert [r.to_dict()["tree"] for r in a] == [r.to_dict()["tree"] for r in b]
+    c = om.search_many(TASKS, strategy="best_of_n:n=4", policy="scripted:oracle:p=0.3", seed=8)
+    assert [r.to_dict()["tree"] for r in a] != [r.to_dict()["tree"] for r in c]
+
+
+def test_best_of_n_at_least_react_on_50_game24_tasks():
+    react = om.summarize(om.search_many(TASKS, strategy="react", policy="scripted:oracle:p=0.3"))
+    bon = om.summarize(om.search_many(TASKS, strategy="best_of_n:n=8", policy="scripted:oracle:p=0.3"))
+    assert react["tasks"] == bon["tasks"] == 50
+    assert bon["success_rate"] >= react["success_rate"]
+    assert 0 < react["success_rate"] < 1  # p=0.3 really errs, and really succeeds
+    assert not bon["verifier_in_loop"]
+
+
+def test_verifier_selection_is_flagged():
+    results = om.search_many(TASKS[:5], strategy="best_of_n:n=4,select_by=verifier",
+                             policy="scripted:oracle:p=0.3")
+    assert all(r.verifier_in_loop for r in results)
+
+
+def test_lockstep_one_policy_call_per_round():
+    policy = Recording()
+    results = om.search_many(TASKS[:20], strategy="react", policy=policy)
+    depth = max(max(n.depth for n in r.tree.nodes) for r in results)
+    assert len(policy.batches) == depth  # one call per depth for all 20 trees
+    assert len(policy.batches[0]) == 20
+
+
+def test_concurrency_window_gives_same_results():
+    full = om.search_many(TASKS[:12], strategy="best_of_n:n=3", policy="scripted:oracle:p=0.3")
+    windowed = om.search_many(TASKS[:12], strategy="best_of_n:n=3", policy="scripted:oracle:p=0.3",
+                              concurrency=5)
+    assert [r.to_dict()["tree"] for r in full] == [r.to_dict()["tree"] for r in windowed]
+
+
+@pytest.mark.parametrize("strategy", ["react", "best_of_n:n=8"])
+@pytest.mark.parametrize("kind,limit", [("tokens", 1500), ("lm_calls", 2), ("env_steps", 2),
+                                        ("completion_tokens", 60), ("prompt_tokens", 900)])
+def test_budget_overshoots_by_at_most_one_batch(strategy, kind, limit):
+    policy = Recording(p=0.5)
+    results = om.search_many(TASKS[:10], strategy=strategy, policy=policy,
+                             budget={kind: limit}, max_depth=20)
+    for r in results:
+        spent = r.spent[kind]
+        if spent < limit:
+            assert r.stop_reason == "done"
+            continue
+        assert r.stop_reason == f"budget:{kind}"
+        # undo the last batch this tree took part in: it must have started under the limit
+        last_depth = max(n.depth for n in r.tree.nodes)
+        last = [n for n in r.tree.nodes if n.depth == last_depth]
+        one_per_request = {n.parent: n for n in last}.values()
+        prompt = sum(len(_prompt_ids(r, n)) for n in one_per_request)
+        completion = sum(len(n.step.completion_ids) for n in last)
+        batch = {"lm_calls": len(one_per_request), "env_steps": sum(n.step.valid for n in last),
+                 "completion_tokens": completion, "prompt_tokens": prompt,
+                 "tokens": prompt + completion}
+        assert spent - batch[kind] < limit
+    assert any(r.stop_reason == f"budget:{kind}" for r in results)  # the limit really bit
+
+
+def _prompt_ids(result, node):
+    """The prompt the policy saw when it produced ``node``'s step."""
+    steps = result.tree.trajectory(node).steps
+    ids = [t for s in steps for t in s.context_ids + s.completion_ids]
+    return ids[:len(ids) - len(node.step.completion_ids)]
+
+
+@pytest.fixture
+def flaky_game24(monkeypatch):
+    cls = env_class("game24")
+    original = cls.step
+
+    def step(self, action):
+        if "-" in action:
+            raise RuntimeError("simulated env crash")
+        return original(self, action)
+
+    monkeypatch.setattr(cls, "step", step)
+    yield
+
+
+def test_env_exception_marks_node_failed_and_search_goes_on(flaky_game24):
+    results = om.search_many(TASKS[:20], strategy="best_of_n:n=4", policy="scripted:oracle:p=0.3")
+    failed = [n for r in results for n in r.tree.nodes if n.status == "failed"]
+    assert failed and all("simulated env crash" in n.error for n in failed)
+    assert sum(len(r.faults) for r in results) == len(failed)
+    assert om.summarize(results)["tasks"] == 20
+
+
+class FlakyPolicy(OraclePolicy):
+    """Fails every request whose task id is in ``bad`` (the batch call fails as a whole)."""
+
+    def __init__(self, bad):
+        super().__init__(0.0)
+        self.bad = bad
+
+    def generate(self, requests):
+        if any(r.meta["task"].task_id in self.bad for r in requests):
+            raise ConnectionError("simulated LM failure")
+        return super().generate(requests)
+
+
+def test_lm_failure_isolated_to_its_request():
+    bad = {TASKS[1].task_id}
+    results = om.search_many(TASKS[:6], strategy="react", policy=FlakyPolicy(bad))
+    by_id = {r.task.task_id: r for r in results}
+    assert by_id[TASKS[1].task_id].faults and not by_id[TASKS[1].task_id].success
+    for t in TASKS[:6]:
+        if t.task_id not in bad:
+            assert by_id[t.task_id].success and not by_id[t.task_id].faults
+
+
+def test_malformed_completion_becomes_invalid_step():
+    results = om.search_many(TASKS[:10], strategy="react",
+                             policy=OraclePolicy(0.0, malformed=0.5), max_depth=6)
+    bad = [n.step for r in results for n in r.tree.nodes[1:] if not n.step.valid]
+    assert bad and all(s.observation.startswith("Invalid format") for s in bad)
+    assert all(not r.faults for r in results)
+
+
+def test_segments_are_exactly_what_the_policy_saw():
+    policy = Recording(p=0.3)
+    results = om.search_many(TASKS[:5], strategy="react", policy=policy)
+    seen = {}
+    for batch in policy.batches:
+        for req in batch:
+            seen.setdefault(req.meta["task"].task_id, []).append(req.prompt_ids)
+    for r in results:
+        traj = r.best_trajectory
+        segs = traj.segments()
+        assert [s.role for s in segs][:2] == ["context", "assistant"]
+        flat = [t for s in segs for t in s.token_ids]
+        last_prompt = seen[r.task.task_id][-1]
+        assert flat[:len(last_prompt)] == last_prompt
+        assert flat[len(last_prompt):] == traj.steps[-1].completion_ids
+        assert all(not s.trainable for s in segs if s.role == "context")
+        assert all(s.logprobs is not None and len(s.logprobs) == len(s.token_ids)
+                   for s in segs if s.trainable)
+
+
+def test_rm_selection_uses_reward_model():
+    results = om.search_many(TASKS[:10], strategy="best_of_n:n=4",
+                             policy="scripted:oracle:p=0.3", reward_model="rules:outcome=1")
+    for r in results:
+        assert r.spent["rm_calls"] == 4
+        scored = [n for n in r.tree.nodes if n.score is not None]
+        assert len(scored) == 4
+        assert r.success == any(n.success for n in scored)  # outcome RM picks a winner if any
