@@ -27,6 +27,21 @@ class UsageError(Exception):
     """A bad argument; printed as one line."""
 
 
+#: sub-commands that live in their own modules: each has ``configure(parser)`` and ``run(args)``
+PLUGINS = {"bench": "omrl_search.bench"}
+
+
+def _plugin(name: str):
+    import importlib
+
+    try:
+        return importlib.import_module(PLUGINS[name])
+    except ModuleNotFoundError as exc:
+        if exc.name != PLUGINS[name]:
+            raise
+        return None
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="omrl", description="Search-based rollouts for LLM agents.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -50,6 +65,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default=None, help="write DIR/results.jsonl and DIR/summary.json")
     s.add_argument("--no-progress", action="store_true")
 
+    for name in PLUGINS:
+        mod = _plugin(name)
+        if mod is not None:
+            mod.configure(sub.add_parser(name, help=mod.__doc__.strip().splitlines()[0]))
+
     for name, what in (("envs", "environments"), ("strategies", "strategies"),
                        ("policies", "policy backends"), ("reward-models", "reward models")):
         sub.add_parser(name, help=f"list {what}")
@@ -61,6 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "search":
             return _search(args)
+        if args.command in PLUGINS:
+            return _plugin(args.command).run(args)
         listing = {"envs": list_envs, "strategies": list_strategies, "policies": list_policies,
                    "reward-models": list_reward_models}[args.command]
         print("\n".join(listing()))
