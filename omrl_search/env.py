@@ -8,7 +8,9 @@ An env subclasses :class:`Env` and one snapshot piece:
 * :class:`ReplayEnv` — a wrapper that snapshots any deterministic env as *reset + action prefix*,
   and checks the state key after replay to detect divergence.
 
-Envs register themselves with :func:`register_env` and are built by :func:`make_env`.
+List the snapshot piece before ``Env`` in the bases (``class MyEnv(ValueSnapshots, Env)``) so
+its methods fill in ``Env``'s abstract ones. Envs register themselves with :func:`register_env`
+and are built by :func:`make_env`.
 """
 from __future__ import annotations
 
@@ -66,7 +68,8 @@ class Env(ABC):
     def step(self, action: str) -> StepResult:
         """Apply one action. Malformed actions return an observation saying what was wrong and
         what the syntax is (``info["valid"] = False``); they never raise. At ``done``,
-        ``info["success"]`` says whether the task was solved."""
+        ``info["success"]`` says whether the task was solved and ``info["answer"]`` gives the
+        final answer as a short string (what majority voting compares)."""
 
     @abstractmethod
     def observe(self) -> str:
@@ -152,15 +155,20 @@ class ValueSnapshots:
     def snapshot(self) -> Snapshot:
         if getattr(self, "state", None) is None:
             raise EnvError("snapshot() before reset()")
-        return Snapshot("value", self.state, self.state_key(), self.observe())
+        return Snapshot("value", self.state, self.state_key(), self.observe(), self.name)
 
     def restore(self, snapshot: Snapshot) -> None:
-        if snapshot.kind != "value":
-            raise EnvError(f"cannot restore a {snapshot.kind!r} snapshot into a value-snapshot env")
+        _check_snapshot(self, snapshot, "value")
         self.state = snapshot.payload
 
+    def position(self) -> Any:
+        """The part of the state that identifies it for dedup (default: all of it). Envs that
+        keep presentation-only data in the state (the last message) leave it out here, so two
+        routes to the same position share a state key."""
+        return self.state
+
     def state_key(self) -> str:
-        return stable_hash(self.state)
+        return stable_hash(self.position())
 
 
 class NativeSnapshots:
@@ -175,12 +183,19 @@ class NativeSnapshots:
         raise NotImplementedError
 
     def snapshot(self) -> Snapshot:
-        return Snapshot("native", self.save_native(), self.state_key(), self.observe())
+        return Snapshot("native", self.save_native(), self.state_key(), self.observe(), self.name)
 
     def restore(self, snapshot: Snapshot) -> None:
-        if snapshot.kind != "native":
-            raise EnvError(f"cannot restore a {snapshot.kind!r} snapshot into a native-snapshot env")
+        _check_snapshot(self, snapshot, "native")
         self.load_native(snapshot.payload)
+
+
+def _check_snapshot(env: Any, snapshot: Snapshot, kind: str) -> None:
+    """Refuse snapshots of another kind or from another env, instead of restoring garbage."""
+    if snapshot.kind != kind:
+        raise EnvError(f"cannot restore a {snapshot.kind!r} snapshot into a {kind}-snapshot env")
+    if snapshot.env and env.name and snapshot.env != env.name:
+        raise EnvError(f"cannot restore a snapshot of env {snapshot.env!r} into env {env.name!r}")
 
 
 class ReplayEnv(Env):
@@ -222,11 +237,11 @@ class ReplayEnv(Env):
     def snapshot(self) -> Snapshot:
         if self._task is None:
             raise EnvError("snapshot() before reset()")
-        return Snapshot("replay", (self._task, self._actions), self.state_key(), self.observe())
+        return Snapshot("replay", (self._task, self._actions), self.state_key(), self.observe(),
+                        self.name)
 
     def restore(self, snapshot: Snapshot) -> None:
-        if snapshot.kind != "replay":
-            raise EnvError(f"cannot restore a {snapshot.kind!r} snapshot by replay")
+        _check_snapshot(self, snapshot, "replay")
         task, actions = snapshot.payload
         self.reset(task)
         for action in actions:

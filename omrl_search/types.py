@@ -45,6 +45,7 @@ class Snapshot:
     payload: Any
     state_key: str
     observation: str
+    env: str = ""  # the registered name of the env that made it
 
 
 @dataclass(slots=True)

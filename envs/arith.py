@@ -1,0 +1,364 @@
+"""Shared base for "combine two numbers" puzzles (Game of 24, Countdown).
+
+The player repeatedly replaces two of the remaining numbers by their sum, difference, product or
+quotient until one number is left, or submits a whole expression with ``answer``. Arithmetic is
+exact (:class:`fractions.Fraction`, never floats) so ``8 / (3 - 8/3) = 24`` is recognised. Every
+number must be used exactly once. Subclasses only differ in how tasks are generated and worded.
+
+The state is an immutable :class:`ArithState` (value snapshots); it includes the step count, the
+done flag and the last message, so ``state_key()`` identifies exactly what ``observe()`` shows.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from fractions import Fraction
+from functools import lru_cache
+from typing import Any, NamedTuple
+
+from omrl_search.env import Env, EnvError, ValueSnapshots
+from omrl_search.types import StepResult, Task
+
+Number = int | Fraction
+
+_NUM = r"-?\d+(?:/\d+)?"
+_OPS = {"+": "+", "-": "-", "*": "*", "/": "/", "x": "*", "×": "*", "÷": "/", "−": "-"}
+_STEP_RE = re.compile(rf"^({_NUM})\s*([-+*/x×÷−])\s*({_NUM})(?:\s*=\s*{_NUM})?$", re.IGNORECASE)
+_ANSWER_RE = re.compile(r"^answer\b\s*:?\s*(.*)$", re.IGNORECASE | re.DOTALL)
+
+
+class ArithState(NamedTuple):
+    numbers: tuple[Fraction, ...]  # remaining numbers, sorted
+    original: tuple[int, ...]  # the task's numbers, sorted (for ``answer`` checks)
+    target: Fraction
+    steps: int = 0
+    limit: int = 6
+    done: bool = False
+    success: bool = False
+    answer: str = ""
+    note: str = ""  # the message of the last step, shown above the numbers
+
+
+def fmt(x: Number) -> str:
+    """``24``, ``-5`` or ``8/3``: the syntax actions use for numbers."""
+    return str(Fraction(x))
+
+
+def _norm(x: Number) -> Number:
+    """An int when ``x`` is integral (ints are much faster than Fractions in the solver)."""
+    return x.numerator if isinstance(x, Fraction) and x.denominator == 1 else x
+
+
+def apply_op(a: Number, op: str, b: Number) -> Number | None:
+    """``a op b`` exactly; None on division by zero."""
+    if op == "+":
+        return a + b
+    if op == "-":
+        return a - b
+    if op == "*":
+        return a * b
+    if b == 0:
+        return None
+    if isinstance(a, int) and isinstance(b, int) and a % b == 0:
+        return a // b
+    return _norm(Fraction(a) / b)
+
+
+def _moves(a: Number, b: Number):
+    """Distinct ``(a', op, b', value)`` moves on a pair; commutative ops in one order only."""
+    yield a, "+", b, a + b
+    yield a, "*", b, a * b
+    yield a, "-", b, a - b
+    if a != b:
+        yield b, "-", a, b - a
+    for x, y in ((a, b), (b, a)) if a != b else ((a, b),):
+        value = apply_op(x, "/", y)
+        if value is not None:
+            yield x, "/", y, value
+
+
+# --- solver ----------------------------------------------------------------------------------
+# An expression tree is a number (a leaf) or ``(left, op, right)``. The solver splits the multiset
+# in two: the smaller side (<= 3 numbers) enumerates all its values from a table, the other side
+# must then reach the one value that completes the target, recursively. This is exact and
+# complete, and much faster than a move-by-move DFS on 5-6 numbers (no dead subtrees re-explored).
+
+
+def _splits(nums: tuple) -> list[tuple[tuple, tuple]]:
+    """Distinct ``(smaller, larger)`` splits of a sorted multiset into two non-empty parts."""
+    n, out = len(nums), {}
+    for mask in range(1, 1 << n, 2):  # masks holding nums[0]: each unordered split once
+        if mask == (1 << n) - 1:
+            continue
+        a = tuple(x for i, x in enumerate(nums) if mask >> i & 1)
+        b = tuple(x for i, x in enumerate(nums) if not mask >> i & 1)
+        out.setdefault((a, b) if len(a) <= len(b) else (b, a))
+    return list(out)
+
+
+@lru_cache(maxsize=1 << 16)
+def _table(nums: tuple) -> dict:
+    """Every value reachable using all of ``nums`` (small multisets), with one tree for each."""
+    if len(nums) == 1:
+        return {nums[0]: nums[0]}
+    out: dict = {}
+    for left, right in _splits(nums):
+        for a, ta in _table(left).items():
+            for b, tb in _table(right).items():
+                for x, op, y, value in _moves(a, b):
+                    out.setdefault(_norm(value), (ta, op, tb) if x == a else (tb, op, ta))
+    return out
+
+
+def _completions(a: Number, t: Number):
+    """``(r, build)``: the value ``r`` the other side needs so that ``a`` and ``r`` make ``t``."""
+    yield t - a, lambda ta, tb: (ta, "+", tb)
+    yield a - t, lambda ta, tb: (ta, "-", tb)
+    yield t + a, lambda ta, tb: (tb, "-", ta)
+    if a != 0:
+        yield _norm(Fraction(t) / a), lambda ta, tb: (ta, "*", tb)
+        yield _norm(t * a), lambda ta, tb: (tb, "/", ta)
+        if t != 0:
+            yield _norm(Fraction(a) / t), lambda ta, tb: (ta, "/", tb)
+
+
+def _lookup(nums: tuple, t: Number, table: int):
+    return _table(nums).get(t) if len(nums) <= table else _find(nums, t, table)
+
+
+@lru_cache(maxsize=1 << 18)
+def _find(nums: tuple, t: Number, table: int):
+    for small, big in _splits(nums):
+        for a, ta in _table(small).items():
+            if a == 0 and t == 0:  # 0 * anything: any expression over the other side will do
+                tb = big[0]
+                for x in big[1:]:
+                    tb = (tb, "+", x)
+                return (ta, "*", tb)
+            for r, build in _completions(a, t):
+                tb = _lookup(big, r, table)
+                if tb is not None:
+                    return build(ta, tb)
+    return None
+
+
+def solve(numbers, target):
+    """An expression tree using every number once that equals ``target``, or None (exact)."""
+    nums = tuple(sorted(_norm(Fraction(x)) for x in numbers))
+    # Tables of 4-multisets pay off when many targets are asked of them (5+ numbers).
+    return _lookup(nums, _norm(Fraction(target)), 3 if len(nums) <= 4 else 4)
+
+
+def solvable(numbers, target) -> bool:
+    """True when ``numbers`` can make ``target``, each used exactly once."""
+    return solve(numbers, target) is not None
+
+
+def first_move(tree) -> tuple[Number, str, Number] | None:
+    """A combine step whose operands are both numbers (None for a bare number)."""
+    if not isinstance(tree, tuple):
+        return None
+    left, op, right = tree
+    if not isinstance(left, tuple) and not isinstance(right, tuple):
+        return left, op, right
+    return first_move(left) or first_move(right)
+
+
+def to_text(tree) -> str:
+    """The tree as a fully parenthesised expression, e.g. ``8 / (3 - 8 / 3)``."""
+    if not isinstance(tree, tuple):
+        return fmt(tree)
+    left, op, right = tree
+    wrap = lambda t: f"({to_text(t)})" if isinstance(t, tuple) else to_text(t)  # noqa: E731
+    return f"{wrap(left)} {op} {wrap(right)}"
+
+
+# --- answer expressions ----------------------------------------------------------------------
+_BINOPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
+
+
+def eval_expression(text: str) -> tuple[Fraction, list[int]]:
+    """Evaluate an arithmetic expression exactly; return its value and the numbers it uses.
+
+    Only integer literals, ``+ - * /`` and parentheses are accepted (parsed with :mod:`ast`,
+    never evaluated as Python). Raises ``ValueError(reason)`` otherwise.
+    """
+    text = text.strip().rstrip(".").strip().strip("`").split("=")[0]
+    text = text.replace("×", "*").replace("÷", "/").replace("−", "-")
+    text = re.sub(r"(?<=[\d)\s])[xX](?=[\d(\s])", "*", text)
+    if not text.strip():
+        raise ValueError("the answer has no expression")
+    if len(text) > 200:
+        raise ValueError("the expression is too long")
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except SyntaxError:
+        raise ValueError(f"cannot parse the expression {text.strip()!r}") from None
+    used: list[int] = []
+
+    def walk(node: ast.AST) -> Fraction:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            used.append(node.value)
+            return Fraction(node.value)
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+            left, right = walk(node.left), walk(node.right)
+            if isinstance(node.op, ast.Div) and right == 0:
+                raise ValueError("the expression divides by zero")
+            return apply_op(left, _BINOPS[type(node.op)], right)
+        raise ValueError("only integers, + - * / and parentheses are allowed in the answer")
+
+    value = walk(tree.body)
+    return Fraction(value), used
+
+
+# --- the env ---------------------------------------------------------------------------------
+class ArithmeticEnv(ValueSnapshots, Env):
+    """Reach ``target`` from the task's numbers, combining two numbers per step.
+
+    Task ``data``: ``{"numbers": [ints], "target": int}``. Subclasses provide ``tasks``,
+    ``task_from_dict`` and the wording.
+    """
+
+    description = "Combine numbers with + - * / to reach a target; every number used exactly once."
+    action_help = (
+        "Actions: `a op b` combines two of the numbers left (op is + - * /, spaces around op; "
+        "fractions written like 8/3), e.g. `4 * 6` or `8/3 * 9`; or `answer EXPR` with a full "
+        "expression over the original numbers, e.g. `answer (1 + 2 + 3) * 4`."
+    )
+    examples = (
+        "Think: (1 + 2 + 3) * 4 = 24, so I start by adding 1 and 2 to get 3.\n"
+        "Act: 1 + 2"
+    )
+    max_steps = 6
+
+    def __init__(self) -> None:
+        self.state: ArithState | None = None
+
+    def limit_for(self, numbers: list[int]) -> int:
+        """Steps allowed for a task (enough combines plus room for a few invalid attempts)."""
+        return self.max_steps
+
+    # --- episode ---------------------------------------------------------------------------
+    def reset(self, task: Task) -> str:
+        numbers = [int(x) for x in task.data["numbers"]]
+        self.state = ArithState(
+            numbers=tuple(sorted(Fraction(x) for x in numbers)),
+            original=tuple(sorted(numbers)),
+            target=Fraction(task.data["target"]),
+            limit=self.limit_for(numbers),
+        )
+        return self.observe()
+
+    def position(self):
+        """The state without the last message, so equal positions share a state key."""
+        return self.state._replace(note="")
+
+    def observe(self) -> str:
+        s = self._require()
+        board = f"Numbers left: {' '.join(map(fmt, s.numbers))} | target: {fmt(s.target)}"
+        return f"{s.note}\n{board}" if s.note else board
+
+    def step(self, action: str) -> StepResult:
+        s = self._require()
+        if s.done:
+            info = {"valid": False, "success": s.success, "answer": s.answer}
+            return StepResult("Invalid action: the episode is over.", 0.0, True, info)
+        text = action.strip().strip("`'\"").strip().rstrip(".!").strip()
+        m = _ANSWER_RE.match(text)
+        if m:
+            return self._answer(m.group(1))
+        m = _STEP_RE.match(text)
+        if not m:
+            why = "empty action" if not text else f"cannot parse {text[:60]!r}"
+            return self._invalid(why)
+        try:
+            a, op, b = Fraction(m.group(1)), _OPS[m.group(2).lower()], Fraction(m.group(3))
+        except ZeroDivisionError:
+            return self._invalid("a number has a zero denominator")
+        rest = list(s.numbers)
+        for x in (a, b):
+            if x not in rest:
+                return self._invalid(f"{fmt(x)} is not among the numbers left")
+            rest.remove(x)
+        value = apply_op(a, op, b)
+        if value is None:
+            return self._invalid("division by zero")
+        rest.append(Fraction(value))
+        note = f"{fmt(a)} {op} {fmt(b)} = {fmt(value)}"
+        return self._advance(numbers=tuple(sorted(rest)), note=note)
+
+    def valid_actions(self) -> list[str]:
+        s = self._require()
+        if s.done:
+            return []
+        nums, seen = s.numbers, set()
+        for i in range(len(nums)):
+            for j in range(i + 1, len(nums)):
+                for x, op, y, _ in _moves(nums[i], nums[j]):
+                    seen.add(f"{fmt(x)} {op} {fmt(y)}")
+        return sorted(seen)
+
+    def expert_action(self) -> str | None:
+        s = self._require()
+        if s.done:
+            return None
+        move = first_move(solve(s.numbers, s.target))
+        return None if move is None else f"{fmt(move[0])} {move[1]} {fmt(move[2])}"
+
+    # --- helpers ---------------------------------------------------------------------------
+    def _require(self) -> ArithState:
+        if self.state is None:
+            raise EnvError("reset() must be called first")
+        return self.state
+
+    def _advance(self, *, numbers=None, note: str, valid: bool = True, answer: str | None = None,
+                 success: bool = False) -> StepResult:
+        """Count a step, apply the changes and end the episode when it is over."""
+        s = self.state
+        numbers = s.numbers if numbers is None else numbers
+        steps = s.steps + 1
+        done = answer is not None or len(numbers) == 1
+        if answer is None and len(numbers) == 1:
+            answer, success = fmt(numbers[0]), numbers[0] == s.target
+            if not success:
+                note += f"\nFailed: {answer} is not {fmt(s.target)}."
+        if success:
+            note += f"\nSolved: reached {fmt(s.target)}."
+        elif not done and steps >= s.limit:
+            done, answer = True, ""
+            note += f"\nOut of steps ({s.limit}); the puzzle is not solved."
+        self.state = s._replace(numbers=numbers, steps=steps, done=done, success=success,
+                                answer=answer or "", note=note)
+        info: dict[str, Any] = {"valid": valid}
+        if done:
+            info.update(success=success, answer=answer or "")
+        return StepResult(self.observe(), 1.0 if success else 0.0, done, info)
+
+    def _invalid(self, why: str) -> StepResult:
+        return self._advance(note=f"Invalid action: {why}. {self.action_help}", valid=False)
+
+    def _answer(self, expr: str) -> StepResult:
+        s = self.state
+        try:
+            value, used = eval_expression(expr)
+        except ValueError as exc:
+            return self._invalid(str(exc))
+        if sorted(used) != list(s.original):
+            note = (f"Failed: your expression uses {' '.join(map(str, sorted(used)))} but must use "
+                    f"exactly {' '.join(map(str, s.original))}, each once.")
+            return self._advance(note=note, answer=fmt(value), success=False)
+        note = f"{expr.strip().rstrip('.').split('=')[0].strip()} = {fmt(value)}"
+        if value != s.target:
+            note += f"\nFailed: {fmt(value)} is not {fmt(s.target)}."
+        return self._advance(note=note, answer=fmt(value), success=value == s.target)
+
+
+def check_numbers(row: dict[str, Any], count: range, low: int, high: int) -> list[int]:
+    """Validate ``row["numbers"]`` for ``task_from_dict``; raise ``ValueError(reason)``."""
+    nums = row.get("numbers")
+    ok = (isinstance(nums, list) and len(nums) in count
+          and all(type(x) is int and low <= x <= high for x in nums))
+    if not ok:
+        size = f"{count.start}" if len(count) == 1 else f"{count.start} to {count.stop - 1}"
+        raise ValueError(f"numbers must be a list of {size} integers from {low} to {high}, got {nums!r}")
+    return nums

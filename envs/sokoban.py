@@ -1,0 +1,376 @@
+"""Sokoban in small generated rooms: push every box onto a target.
+
+Rooms (6-7 cells square inside the walls, 1-2 boxes) are made by *reverse play*: boxes start on
+their targets and a random walk pulls them away, so every room is solvable; a breadth-first
+search over (player, boxes) then gives the optimal number of moves, and rooms that are too easy
+(< 3 moves), too long (> 12) or have a large state space are rejected. A stable hash of the room
+picks its split, so train and test never share a room.
+
+The state is an immutable :class:`SokobanState` holding the static layout too, so a value
+snapshot is self-contained. Walking into a wall or pushing a box against a wall or another box
+is a legal move that changes nothing but the step count.
+"""
+from __future__ import annotations
+
+import random
+import re
+import threading
+from collections import deque
+from functools import lru_cache
+from typing import Any, NamedTuple
+
+from omrl_search.env import Env, EnvError, ValueSnapshots, register_env, stable_hash
+from omrl_search.types import StepResult, Task
+
+DIRS = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
+LEGEND = "Legend: # wall, _ floor, O target, X box, √ box on target, P player, S player on target."
+SPLIT_SIZES = {"train": 500, "test": 100}
+TEST_PERCENT = 20
+MOVES_RANGE = (3, 12)
+STATE_CAP = 20_000  # BFS states beyond which a room counts as too large
+# Symbol -> (static cell, box, player); the second group is the common XSB level format.
+_SYMBOLS = {
+    "#": ("#", 0, 0), "_": ("_", 0, 0), "O": ("O", 0, 0), "X": ("_", 1, 0), "√": ("O", 1, 0),
+    "P": ("_", 0, 1), "S": ("O", 0, 1),
+    " ": ("_", 0, 0), "-": ("_", 0, 0), ".": ("O", 0, 0), "$": ("_", 1, 0), "*": ("O", 1, 0),
+    "@": ("_", 0, 1), "+": ("O", 0, 1),
+}
+_NOTES = {
+    "moved": "You moved {}.",
+    "pushed": "You pushed a box {}.",
+    "wall": "You walked into a wall; nothing happened.",
+    "blocked": "The box is blocked; nothing happened.",
+}
+_ACTION_RE = re.compile(r"^(?:move|go|walk|push)?\s*(up|down|left|right)$")
+
+Pos = tuple[int, int]
+
+
+class SokobanState(NamedTuple):
+    layout: tuple[str, ...]  # rows of "#" wall, "_" floor, "O" target (no boxes or player)
+    player: Pos
+    boxes: tuple[Pos, ...]  # sorted
+    steps: int = 0
+    limit: int = 40
+    done: bool = False
+    success: bool = False
+    note: str = ""  # the message of the last step, shown above the grid
+
+
+# --- rooms -----------------------------------------------------------------------------------
+def parse_room(rows: list[str]) -> tuple[tuple[str, ...], Pos, tuple[Pos, ...]]:
+    """``(layout, player, boxes)`` from a text grid; raise ``ValueError(reason)`` if malformed."""
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, str) for r in rows):
+        raise ValueError(f"room must be a non-empty list of strings, got {rows!r}")
+    if len(rows) > 20 or max(map(len, rows)) > 20:
+        raise ValueError("room must be at most 20x20")
+    width = max(map(len, rows))
+    layout, player, boxes = [], [], []
+    for r, row in enumerate(rows):
+        cells = []
+        for c, ch in enumerate(row.ljust(width, "#")):
+            if ch not in _SYMBOLS:
+                raise ValueError(f"unknown symbol {ch!r} in room row {r}")
+            cell, box, man = _SYMBOLS[ch]
+            cells.append(cell)
+            boxes += [(r, c)] * box
+            player += [(r, c)] * man
+        layout.append("".join(cells))
+    if len(player) != 1:
+        raise ValueError(f"room must have exactly one player, found {len(player)}")
+    targets = [(r, c) for r, row in enumerate(layout) for c, ch in enumerate(row) if ch == "O"]
+    if not boxes or len(boxes) != len(targets):
+        raise ValueError(f"room must have as many boxes as targets (>= 1), "
+                         f"found {len(boxes)} and {len(targets)}")
+    region = _region(tuple(layout), player[0])
+    if any(r in (0, len(layout) - 1) or c in (0, width - 1) for r, c in region):
+        raise ValueError("room is not enclosed by walls")
+    if not set(boxes) | set(targets) <= region:
+        raise ValueError("every box and target must be reachable from the player")
+    return tuple(layout), player[0], tuple(sorted(boxes))
+
+
+def _region(layout: tuple[str, ...], start: Pos) -> set[Pos]:
+    """Non-wall cells connected to ``start`` (boxes ignored)."""
+    seen, todo = {start}, [start]
+    inside = lambda r, c: 0 <= r < len(layout) and 0 <= c < len(layout[0])  # noqa: E731
+    while todo:
+        r, c = todo.pop()
+        for q in ((r + dr, c + dc) for dr, dc in DIRS.values()):
+            if q not in seen and inside(*q) and layout[q[0]][q[1]] != "#":
+                seen.add(q)
+                todo.append(q)
+    return seen
+
+
+def render(s: SokobanState) -> str:
+    grid = [list(row) for row in s.layout]
+    for r, c in s.boxes:
+        grid[r][c] = "√" if grid[r][c] == "O" else "X"
+    r, c = s.player
+    grid[r][c] = "S" if grid[r][c] == "O" else "P"
+    return "\n".join("".join(row) for row in grid)
+
+
+def _move(layout, player: Pos, boxes: tuple[Pos, ...], d: Pos) -> tuple[Pos, tuple[Pos, ...], str]:
+    """One move: ``(player, boxes, what)`` with what in moved/pushed/wall/blocked (no change)."""
+    q = (player[0] + d[0], player[1] + d[1])
+    if layout[q[0]][q[1]] == "#":
+        return player, boxes, "wall"
+    if q not in boxes:
+        return q, boxes, "moved"
+    beyond = (q[0] + d[0], q[1] + d[1])
+    if layout[beyond[0]][beyond[1]] == "#" or beyond in boxes:
+        return player, boxes, "blocked"
+    return q, tuple(sorted(beyond if b == q else b for b in boxes)), "pushed"
+
+
+@lru_cache(maxsize=256)
+def _dead_cells(layout: tuple[str, ...]) -> frozenset[Pos]:
+    """Floor cells (not targets) in a corner: a box pushed there can never move again."""
+    wall = lambda r, c: layout[r][c] == "#"  # noqa: E731
+    return frozenset(
+        (r, c) for r in range(1, len(layout) - 1) for c in range(1, len(layout[0]) - 1)
+        if layout[r][c] == "_"
+        and (wall(r - 1, c) or wall(r + 1, c)) and (wall(r, c - 1) or wall(r, c + 1))
+    )
+
+
+_NEXT: dict[tuple, str | None] = {}  # (layout, player, boxes) -> first optimal move (expert cache)
+
+
+def solve(layout: tuple[str, ...], player: Pos, boxes: tuple[Pos, ...],
+          cap: int = STATE_CAP) -> list[str] | None:
+    """A shortest move sequence putting every box on a target, or None when unsolvable.
+
+    Breadth-first over (player, boxes), never pushing a box into a dead corner. Raises
+    ``ValueError`` when more than ``cap`` states would be needed. Every state on the found path is
+    cached with its next move, so an expert rollout costs one search.
+    """
+    targets = {(r, c) for r, row in enumerate(layout) for c, ch in enumerate(row) if ch == "O"}
+    dead = _dead_cells(layout)
+    start = (player, boxes)
+    parent: dict[tuple, tuple | None] = {start: None}
+    queue = deque([start])
+    while queue:
+        state = queue.popleft()
+        if set(state[1]) <= targets:
+            break
+        for name, d in DIRS.items():
+            p, bx, what = _move(layout, *state, d)
+            if (p, bx) not in parent and not (what == "pushed" and set(bx) & dead):
+                parent[(p, bx)] = (state, name)
+                queue.append((p, bx))
+        if len(parent) > cap:
+            raise ValueError(f"room needs more than {cap} search states")
+    else:
+        return None
+    path = []
+    while parent[state] is not None:
+        state, name = parent[state]
+        path.append(name)
+    path.reverse()
+    if len(_NEXT) > 200_000:
+        _NEXT.clear()
+    state = start
+    for name in path:
+        _NEXT[(layout, *state)] = name
+        state = _move(layout, *state, DIRS[name])[:2]
+    return path
+
+
+def _generate(rng: random.Random, split: str):
+    """One candidate room for ``split`` by reverse play, or None when rejected."""
+    h, w = rng.choice((6, 7)), rng.choice((6, 7))
+    grid = [["#"] * (w + 2)] + [["#"] + ["_"] * w + ["#"] for _ in range(h)] + [["#"] * (w + 2)]
+    for _ in range(rng.randint(0, 6)):
+        grid[rng.randint(1, h)][rng.randint(1, w)] = "#"
+    floor = [(r, c) for r in range(1, h + 1) for c in range(1, w + 1) if grid[r][c] == "_"]
+    if len(_region(tuple("".join(row) for row in grid), floor[0])) != len(floor):
+        return None  # interior walls cut the room in pieces
+    targets = rng.sample(floor, rng.choice((1, 2)))
+    for r, c in targets:
+        grid[r][c] = "O"
+    layout = tuple("".join(row) for row in grid)
+    boxes = list(targets)
+    player = rng.choice([p for p in floor if p not in boxes])
+    for _ in range(rng.randint(15, 50)):  # walk backwards, sometimes pulling a box behind us
+        d = rng.choice(list(DIRS.values()))
+        q = (player[0] + d[0], player[1] + d[1])
+        if layout[q[0]][q[1]] == "#" or q in boxes:
+            continue
+        behind = (player[0] - d[0], player[1] - d[1])
+        if behind in boxes and rng.random() < 0.8:
+            boxes[boxes.index(behind)] = player
+        player = q
+    boxes = tuple(sorted(boxes))
+    if room_split(layout, player, boxes) != split:
+        return None
+    try:
+        path = solve(layout, player, boxes)
+    except ValueError:
+        return None
+    if path is None or not MOVES_RANGE[0] <= len(path) <= MOVES_RANGE[1]:
+        return None
+    return layout, player, boxes, len(path)
+
+
+def room_split(layout, player: Pos, boxes) -> str:
+    key = ("sokoban", layout, player, tuple(boxes))
+    return "test" if int(stable_hash(key), 16) % 100 < TEST_PERCENT else "train"
+
+
+_ROOMS: dict[str, list] = {"train": [], "test": []}  # generated so far, per split
+_CURSOR = {"train": 0, "test": 0}  # next candidate index, per split
+_LOCK = threading.Lock()
+
+
+def rooms(split: str, count: int) -> list[tuple]:
+    """The first ``count`` rooms of ``split`` (generated lazily, always in the same order)."""
+    with _LOCK:
+        found = _ROOMS[split]
+        seen = {room[:3] for room in found}
+        while len(found) < count:
+            room = _generate(random.Random(f"sokoban:{split}:{_CURSOR[split]}"), split)
+            _CURSOR[split] += 1
+            if room is not None and room[:3] not in seen:
+                seen.add(room[:3])
+                found.append(room)
+        return found[:count]
+
+
+def step_limit(optimal: int) -> int:
+    return min(max(4 * optimal, 12), SokobanEnv.max_steps)
+
+
+# --- the env ---------------------------------------------------------------------------------
+@register_env("sokoban")
+class SokobanEnv(ValueSnapshots, Env):
+    """Push all boxes onto targets; moves are up, down, left, right."""
+
+    description = "Sokoban: walk the player around a small room and push every box onto a target."
+    action_help = "Actions: `up`, `down`, `left` or `right` (one move; walk into a box to push it)."
+    examples = (
+        "Think: The box is right of me and the target is right of the box, so I push it right.\n"
+        "Act: right"
+    )
+    max_steps = 48
+
+    def __init__(self) -> None:
+        self.state: SokobanState | None = None
+
+    def reset(self, task: Task) -> str:
+        layout, player, boxes = parse_room(task.data["room"])
+        limit = task.data.get("max_steps") or step_limit(task.data.get("optimal") or 10)
+        self.state = SokobanState(layout, player, boxes, limit=limit)
+        return self.observe()
+
+    def position(self):
+        """The state without the last message, so equal positions share a state key."""
+        return self.state._replace(note="")
+
+    def observe(self) -> str:
+        s = self._require()
+        on = sum(s.layout[r][c] == "O" for r, c in s.boxes)
+        status = f"Boxes on targets: {on} of {len(s.boxes)}."
+        if not s.done:
+            status += f" Possible moves: {', '.join(self.valid_actions()) or 'none'}."
+        return "\n".join(x for x in (s.note, render(s), LEGEND, status) if x)
+
+    def step(self, action: str) -> StepResult:
+        s = self._require()
+        if s.done:
+            return StepResult("Invalid action: the episode is over.", 0.0, True,
+                              {"valid": False, "success": s.success, "answer": _answer(s.success)})
+        text = " ".join(action.lower().strip().strip("`'\"").rstrip(".!").split())
+        m = _ACTION_RE.match(text)
+        if m:
+            player, boxes, what = _move(s.layout, s.player, s.boxes, DIRS[m.group(1)])
+            note = _NOTES[what].format(m.group(1))
+        else:
+            player, boxes = s.player, s.boxes
+            why = f"cannot parse {text[:60]!r}" if text else "empty action"
+            note = f"Invalid action: {why}. {self.action_help}"
+        steps = s.steps + 1
+        success = all(s.layout[r][c] == "O" for r, c in boxes)
+        done = success or steps >= s.limit
+        if success:
+            note += " All boxes are on targets: solved!"
+        elif done:
+            note += f" Out of steps ({s.limit}); the room is not solved."
+        self.state = s._replace(player=player, boxes=boxes, steps=steps, done=done,
+                                success=success, note=note)
+        info: dict[str, Any] = {"valid": m is not None}
+        if done:
+            info.update(success=success, answer=_answer(success))
+        return StepResult(self.observe(), 1.0 if success else 0.0, done, info)
+
+    def valid_actions(self) -> list[str]:
+        """The moves that change the state (blocked moves are legal but useless)."""
+        s = self._require()
+        if s.done:
+            return []
+        moves = ((n, _move(s.layout, s.player, s.boxes, d)[2]) for n, d in DIRS.items())
+        return [n for n, what in moves if what in ("moved", "pushed")]
+
+    def expert_action(self) -> str | None:
+        s = self._require()
+        if s.done:
+            return None
+        key = (s.layout, s.player, s.boxes)
+        if key not in _NEXT:
+            try:
+                path = solve(s.layout, s.player, s.boxes, cap=200_000)
+            except ValueError:
+                return None
+            if not path:
+                _NEXT[key] = None
+        return _NEXT[key]
+
+    def _require(self) -> SokobanState:
+        if self.state is None:
+            raise EnvError("reset() must be called first")
+        return self.state
+
+    # --- task sets -------------------------------------------------------------------------
+    @staticmethod
+    def make_task(layout, player, boxes, optimal: int, split: str, task_id: str, seed: int = 0):
+        room = render(SokobanState(layout, player, boxes)).split("\n")
+        return Task(
+            env="sokoban",
+            task_id=task_id,
+            split=split,
+            seed=seed,
+            instruction=(
+                f"Push every box (X) onto a target (O) in this room ({len(boxes)} box"
+                f"{'es' if len(boxes) > 1 else ''}). Move with up, down, left or right; walking into a "
+                "box pushes it one cell, boxes cannot be pulled, and a box against a wall or another "
+                f"box does not move. It can be solved in {optimal} moves."
+            ),
+            data={"room": room, "optimal": optimal},
+        )
+
+    @classmethod
+    def tasks(cls, split: str, limit: int | None = None) -> list[Task]:
+        if split not in SPLIT_SIZES:
+            raise ValueError(f"sokoban has splits 'train' and 'test', not {split!r}")
+        count = SPLIT_SIZES[split] if limit is None else min(limit, SPLIT_SIZES[split])
+        return [cls.make_task(*room, split=split, task_id=f"sokoban-{split}-{i}", seed=i)
+                for i, room in enumerate(rooms(split, count))]
+
+    @classmethod
+    def task_from_dict(cls, row: dict[str, Any]) -> Task:
+        layout, player, boxes = parse_room(row.get("room"))
+        path = solve(layout, player, boxes)  # raises ValueError when too large
+        if path is None:
+            raise ValueError("room is not solvable")
+        if not path:
+            raise ValueError("room is already solved")
+        task_id = row.get("task_id", f"sokoban-{stable_hash((layout, player, boxes))}")
+        if not isinstance(task_id, str):
+            raise ValueError(f"task_id must be a string, got {task_id!r}")
+        return cls.make_task(layout, player, boxes, len(path), row.get("split", "test"), task_id)
+
+
+def _answer(success: bool) -> str:
+    return "solved" if success else "unsolved"

@@ -1,0 +1,237 @@
+"""The property test every registered env passes (DESIGN §4), for each snapshot kind it supports.
+
+Snapshot -> step -> restore gives back the same observation and state key; branches from one
+snapshot never leak into each other; snapshots restore into fresh instances; replay divergence
+is detected; the expert solves the first test tasks; malformed actions never raise.
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from omrl_search.env import (
+    Env,
+    EnvError,
+    ReplayDivergence,
+    ReplayEnv,
+    ValueSnapshots,
+    env_class,
+    iter_valid_kinds,
+    list_envs,
+    make_env,
+)
+from omrl_search.types import StepResult, Task
+
+ENVS = list_envs()
+CASES = [(name, kind) for name in ENVS for kind in iter_valid_kinds(name)]
+MALFORMED = ["", "gibberish", "answer (", "99 * 99", "   ", "up up up down", "4 ** 6", "answer __import__('os')"]
+
+
+def _tasks(name: str, n: int = 3) -> list[Task]:
+    try:
+        return env_class(name).tasks("test", limit=n)
+    except NotImplementedError:
+        pytest.skip(f"env {name!r} has no built-in test tasks")
+
+
+def _restorable(name: str) -> None:
+    if not env_class(name).can_restore:
+        pytest.skip(f"env {name!r} refuses to be restored")
+
+
+def _has_expert(name: str) -> bool:
+    return env_class(name).expert_action is not Env.expert_action
+
+
+def _two_actions(env: Env) -> tuple[str, str]:
+    """Two different actions from the current state: the expert's (or an admissible one) and another."""
+    candidates = [env.expert_action(), *(env.valid_actions() or []), "gibberish"]
+    first = next(a for a in candidates if a is not None)
+    return first, [a for a in candidates if a is not None and a != first][-1]
+
+
+def test_builtin_envs_registered():
+    assert {"game24", "countdown", "sokoban"} <= set(ENVS)
+
+
+@pytest.mark.parametrize("name,kind", CASES)
+def test_snapshot_step_restore_roundtrip(name, kind):
+    _restorable(name)
+    env = make_env(name, snapshots=kind)
+    for task in _tasks(name):
+        obs0 = env.reset(task)
+        s0 = env.snapshot()
+        assert s0.kind == kind and s0.observation == obs0 == env.observe()
+        assert s0.state_key == env.state_key()
+        for action in _two_actions(env) + ("gibberish",):
+            result = env.step(action)
+            assert result.observation == env.observe()
+            env.restore(s0)
+            assert env.observe() == obs0
+            assert env.state_key() == s0.state_key
+
+
+@pytest.mark.parametrize("name,kind", CASES)
+def test_branches_do_not_leak(name, kind):
+    _restorable(name)
+    env = make_env(name, snapshots=kind)
+    for task in _tasks(name):
+        env.reset(task)
+        s0 = env.snapshot()
+        a, b = _two_actions(env)
+        ra = env.step(a)
+        sa = env.snapshot()
+        obs_a, key_a = env.observe(), env.state_key()
+        env.restore(s0)
+        env.step(b)
+        obs_b, key_b = env.observe(), env.state_key()
+        if obs_b != obs_a:  # the key must tell apart states that look different
+            assert key_b != key_a
+        env.restore(sa)
+        assert (env.observe(), env.state_key()) == (obs_a, key_a)
+        env.restore(s0)
+        ra2 = env.step(a)
+        assert (ra2.observation, ra2.reward, ra2.done) == (ra.observation, ra.reward, ra.done)
+        assert (env.observe(), env.state_key()) == (obs_a, key_a)
+        env.restore(s0)  # and the b branch is still reachable unchanged
+        env.step(b)
+        assert (env.observe(), env.state_key()) == (obs_b, key_b)
+
+
+@pytest.mark.parametrize("name,kind", CASES)
+def test_snapshot_restores_into_fresh_instance(name, kind):
+    _restorable(name)
+    env = make_env(name, snapshots=kind)
+    task = _tasks(name, 1)[0]
+    env.reset(task)
+    env.step(_two_actions(env)[0])
+    snap = env.snapshot()
+    fresh = make_env(name, snapshots=kind)
+    fresh.restore(snap)
+    assert (fresh.observe(), fresh.state_key()) == (env.observe(), env.state_key())
+    action = _two_actions(env)[0]
+    assert _two_actions(fresh)[0] == action
+    r1, r2 = env.step(action), fresh.step(action)
+    assert (r1.observation, r1.reward, r1.done, r1.info) == (r2.observation, r2.reward, r2.done, r2.info)
+    assert fresh.state_key() == env.state_key()
+
+
+@pytest.mark.parametrize("name", ENVS)
+def test_snapshot_kinds_are_not_interchangeable(name):
+    _restorable(name)
+    task = _tasks(name, 1)[0]
+    native, replay = make_env(name), make_env(name, snapshots="replay")
+    native.reset(task)
+    replay.reset(task)
+    with pytest.raises(EnvError):
+        replay.restore(native.snapshot())
+    with pytest.raises(EnvError):
+        native.restore(replay.snapshot())
+
+
+@pytest.mark.parametrize("name", ENVS)
+def test_expert_solves_first_test_tasks(name):
+    if not _has_expert(name):
+        pytest.skip(f"env {name!r} has no expert solver")
+    env = make_env(name)
+    tasks = _tasks(name, 20)
+    assert len(tasks) == 20
+    for task in tasks:
+        env.reset(task)
+        result = None
+        while result is None or not result.done:
+            action = env.expert_action()
+            assert action is not None, f"expert gave up on {task.task_id}"
+            result = env.step(action)
+            assert result.info["valid"] is True
+        assert result.info["success"] is True and result.reward == 1.0, task.task_id
+        assert isinstance(result.info["answer"], str)
+        assert env.expert_action() is None
+
+
+@pytest.mark.parametrize("name,kind", CASES)
+def test_malformed_actions_never_raise(name, kind):
+    env = make_env(name, snapshots=kind)
+    task = _tasks(name, 1)[0]
+    for action in MALFORMED:
+        env.reset(task)
+        result = env.step(action)
+        assert isinstance(result, StepResult)
+        assert result.info["valid"] is False and result.reward == 0.0 and not result.done
+        assert result.observation.startswith("Invalid action:")
+        if _has_expert(name):  # the puzzle itself is untouched
+            assert env.expert_action() is not None
+
+
+@pytest.mark.parametrize("name", ENVS)
+def test_episode_ends_after_its_step_limit(name):
+    env = make_env(name)
+    env.reset(_tasks(name, 1)[0])
+    for n in range(1, env.max_steps + 1):
+        result = env.step("gibberish")
+        assert result.info["valid"] is False
+        if result.done:
+            break
+    assert result.done and result.info["success"] is False and result.reward == 0.0
+    assert n <= env.max_steps
+    after = env.step(env.valid_actions()[0] if env.valid_actions() else "gibberish")
+    assert after.done and after.info["valid"] is False and after.observation.startswith("Invalid action:")
+
+
+@pytest.mark.parametrize("name", ENVS)
+def test_step_before_reset_raises_env_error(name):
+    with pytest.raises(EnvError):
+        make_env(name).step("anything")
+    with pytest.raises(EnvError):
+        make_env(name).snapshot()
+
+
+@pytest.mark.parametrize("name", ENVS)
+def test_task_sets_deterministic_and_disjoint(name):
+    cls = env_class(name)
+    _tasks(name, 1)  # skips envs without built-in tasks
+    train, test = cls.tasks("train"), cls.tasks("test")
+    assert train and test
+    assert [t.task_id for t in cls.tasks("test", limit=5)] == [t.task_id for t in test[:5]]
+    assert cls.tasks("test") == test  # same call, same list
+    key = lambda t: repr(sorted(t.data.items()))  # noqa: E731
+    assert not {key(t) for t in train} & {key(t) for t in test}
+    assert not {t.task_id for t in train} & {t.task_id for t in test}
+    assert all(t.split == "train" for t in train) and all(t.split == "test" for t in test)
+    assert all(t.env == name and t.instruction for t in train + test)
+    assert len({t.task_id for t in test}) == len(test)
+
+
+# --- replay divergence, with a test-only env that is not deterministic ------------------------
+BONUS = 0  # read by DriftEnv.step; changing it makes a replay reach another state
+
+
+class DriftEnv(ValueSnapshots, Env):
+    """A counter whose increment reads a module global (not registered)."""
+
+    name = "drift"
+
+    def reset(self, task: Task) -> str:
+        self.state = 0
+        return self.observe()
+
+    def step(self, action: str) -> StepResult:
+        self.state = self.state + 1 + BONUS
+        return StepResult(self.observe(), 0.0, False, {"valid": True})
+
+    def observe(self) -> str:
+        return f"count {self.state}"
+
+
+def test_replay_divergence_is_detected(monkeypatch):
+    env = ReplayEnv(DriftEnv())
+    env.reset(Task(env="drift", task_id="drift-0"))
+    env.step("tick")
+    env.step("tick")
+    snap = env.snapshot()
+    env.restore(snap)  # deterministic so far: fine
+    assert env.observe() == "count 2"
+    monkeypatch.setattr(sys.modules[__name__], "BONUS", 1)
+    with pytest.raises(ReplayDivergence):
+        env.restore(snap)
