@@ -28,7 +28,9 @@ class UsageError(Exception):
 
 
 #: sub-commands that live in their own modules: each has ``configure(parser)`` and ``run(args)``
-PLUGINS = {"bench": "omrl_search.bench"}
+#: (modules must import cheaply: torch and friends only inside ``run``)
+PLUGINS = {"bench": "omrl_search.bench", "export": "omrl_search.exports",
+           "label": "reward_models.labels", "train": "train.cli"}
 
 
 def _plugin(name: str):
