@@ -1,12 +1,13 @@
 """The batched search engine.
 
 A strategy is an ``async def run(ctx)`` that calls batched primitives on its
-:class:`SearchContext` — ``expand`` nodes by k children, ``evaluate`` nodes with the reward
-model, ``rollout`` to a terminal. The primitives do not call anything themselves: they yield an
-operation to the engine's driver, which advances every tree's coroutine until each is waiting,
-then serves all pending expansions of all trees with one policy call and all pending evaluations
-with one reward-model call (lockstep across tasks, as in rStar-Math), and resumes them. Plain
-coroutines driven by ``send`` keep this deterministic and cheap (no event loop, no threads).
+:class:`~omrl_search.ops.SearchContext` — ``expand`` nodes by k children, ``ask`` the LM a raw
+prompt, ``evaluate`` nodes with the reward model, ``rollout`` to a terminal. The primitives yield
+an operation to this driver, which advances every tree's coroutine until each is waiting, then
+serves all pending expansions and asks of all trees with one policy call and all pending
+evaluations with one reward-model call (lockstep across tasks, as in rStar-Math), and resumes
+them. Plain coroutines driven by ``send`` keep this deterministic and cheap (no event loop, no
+threads).
 
 Every env step happens after ``restore`` of the parent's snapshot (skipped when the tree's env
 is known to be in that state already). An exception in an env or an LM call marks that node
@@ -14,92 +15,20 @@ failed and is counted as a fault; the search goes on.
 """
 from __future__ import annotations
 
-import random
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable
 
 from .agent import ReActFormat, TurnEncoder
 from .budget import Budget, BudgetExhausted
 from .env import Env, make_env
+from .ops import Op, SearchContext
 from .policy import Policy
-from .reward import RewardModel
+from .reward import RewardModel, aggregate
 from .result import SearchResult
 from .tree import EXPANDED, FAILED, PRUNED, TERMINAL, Node, SearchTree
 from .types import GenRequest, Generation, SamplingParams, Step, Task
 
-
-class _Op:
-    """An operation a strategy waits on; the driver fills in the result."""
-
-    __slots__ = ("kind", "ctx", "args")
-
-    def __init__(self, kind: str, ctx: "SearchContext", args: tuple):
-        self.kind, self.ctx, self.args = kind, ctx, args
-
-    def __await__(self):
-        return (yield self)
-
-
-class SearchContext:
-    """What a strategy sees of one search: its tree, budget, RNG and the batched primitives."""
-
-    def __init__(self, engine: "Engine", task: Task, env: Env, tree: SearchTree, budget: Budget,
-                 seed: int, max_depth: int):
-        self.engine, self.task, self.env, self.tree, self.budget = engine, task, env, tree, budget
-        self.rng = random.Random(seed)
-        self.seed = seed
-        self.max_depth = max_depth
-        self.faults: list[str] = []
-        self.env_at: int | None = 0  # node whose state the live env holds
-        self.calls = 0
-        self.has_reward_model = engine.reward_model is not None
-
-    # --- primitives ------------------------------------------------------------------------
-    async def expand(self, nodes: Sequence[Node], k: int = 1, *, temperature: float | None = None,
-                     dedup: bool = False, notes: Sequence[str] | None = None) -> list[list[Node]]:
-        """Sample ``k`` completions at each node, step the env for each, return the children.
-
-        ``notes`` adds text to each node's prompt (e.g. DFSDT's previously tried siblings).
-        With ``dedup`` a child whose state key equals an existing sibling's is kept in the tree
-        as pruned and not returned. Raises :class:`BudgetExhausted` before asking, never after.
-        """
-        self.budget.check()
-        if not nodes:
-            return []
-        return await _Op("expand", self, (list(nodes), k, temperature, dedup, notes))
-
-    async def evaluate(self, nodes: Sequence[Node]) -> list[float]:
-        """Reward-model values of the paths ending at ``nodes`` (stored in ``node.score``)."""
-        if self.engine.reward_model is None:
-            raise RuntimeError("evaluate() needs a reward model")
-        self.budget.check()
-        if not nodes:
-            return []
-        return await _Op("evaluate", self, (list(nodes),))
-
-    async def rollout(self, nodes: Sequence[Node], *, temperature: float | None = None) -> list[Node]:
-        """Extend each node one sampled step at a time until terminal; return the leaves."""
-        leaves: list[Node | None] = [n if not self.expandable(n) else None for n in nodes]
-        frontier = [(i, n) for i, n in enumerate(nodes) if leaves[i] is None]
-        while frontier:
-            kids = await self.expand([n for _, n in frontier], 1, temperature=temperature)
-            nxt = []
-            for (i, n), ch in zip(frontier, kids):
-                child = ch[0] if ch else n
-                if ch and self.expandable(child):
-                    nxt.append((i, child))
-                else:
-                    leaves[i] = child
-            frontier = nxt
-        return leaves  # type: ignore[return-value]
-
-    # --- helpers ---------------------------------------------------------------------------
-    def expandable(self, node: Node) -> bool:
-        return not node.terminal and node.status != FAILED and node.depth < self.max_depth
-
-    @property
-    def root(self) -> Node:
-        return self.tree.root
+__all__ = ["Engine", "SearchContext"]
 
 
 class Engine:
@@ -132,7 +61,7 @@ class Engine:
         results: list[SearchResult | None] = [None] * len(queue)
         limit = concurrency or len(queue) or 1
         live: dict[int, tuple[SearchContext, Any]] = {}
-        pending: dict[int, _Op] = {}
+        pending: dict[int, Op] = {}
 
         def finish(i: int, stop: str) -> None:
             ctx, _ = live.pop(i)
@@ -167,16 +96,27 @@ class Engine:
             if not pending:
                 continue
             ops, pending = pending, {}
-            answers = {}
-            expands = [(i, op) for i, op in ops.items() if op.kind == "expand"]
-            evals = [(i, op) for i, op in ops.items() if op.kind == "evaluate"]
-            if expands:
-                answers.update(self._expand_all(expands))
-            if evals:
-                answers.update(self._evaluate_all(evals))
+            answers = self._serve(ops)
             for i in sorted(answers):
                 advance(i, answers[i])
         return results  # type: ignore[return-value]
+
+    def _serve(self, ops: dict[int, Op]) -> dict[int, Any]:
+        """One round: every pending expand and ask in one policy call, every evaluation in
+        one reward-model call."""
+        answers: dict[int, Any] = {}
+        lm = [(i, op) for i, op in ops.items() if op.kind in ("expand", "ask")]
+        evals = [(i, op) for i, op in ops.items() if op.kind == "evaluate"]
+        if lm:
+            answers.update(self._lm_round(lm))
+        if evals:
+            answers.update(self._evaluate_all(evals))
+        return answers
+
+    @property
+    def answers_prompts(self) -> bool:
+        """Whether the policy answers free-form prompts (``ask``); see ``Policy.answers_prompts``."""
+        return bool(getattr(self.policy, "answers_prompts", True))
 
     def _start(self, i: int, task: Task, strategy: Any, budget: Budget):
         t0 = time.perf_counter()
@@ -211,33 +151,58 @@ class Engine:
             best=best.id if best is not None else None,
             success=bool(best is not None and best.success), spent=ctx.budget.spent.as_dict(),
             faults=ctx.faults, stop_reason=stop, seconds=ctx.budget.spent.seconds,
-            verifier_in_loop=bool(getattr(strategy, "verifier_in_loop", False)),
+            verifier_in_loop=bool(getattr(strategy, "verifier_in_loop", False) or ctx.verifier_used),
         )
 
     # --- expansion -------------------------------------------------------------------------
-    def _expand_all(self, ops: list[tuple[int, _Op]]) -> dict[int, list[list[Node]]]:
-        work = []  # (op index, ctx, node, dedup, context_ids, request)
+    def _lm_round(self, ops: list[tuple[int, Op]]) -> dict[int, list]:
+        """Build every request of the round's expands and asks, generate once, hand back."""
+        work = []  # (op index, ctx, node, dedup, context_ids) per request; node None for asks
+        requests = []
         for i, op in ops:
-            nodes, k, temperature, dedup, notes = op.args
-            for j, node in enumerate(nodes):
-                note = notes[j] if notes else ""
-                work.append((i, op.ctx, node, dedup,
-                             *self._request(op.ctx, node, k, temperature, note)))
-        gens = self._generate([w[5] for w in work])
-        out: dict[int, list[list[Node]]] = {i: [] for i, _ in ops}
-        for (i, ctx, node, dedup, context_ids, _), g in zip(work, gens):
-            out[i].append(self._children(ctx, node, context_ids, g, dedup))
+            ctx = op.ctx
+            if op.kind == "expand":
+                nodes, k, temperature, dedup, notes = op.args
+                for j, node in enumerate(nodes):
+                    context_ids, req = self._request(ctx, node, k, temperature,
+                                                     notes[j] if notes else "")
+                    work.append((i, ctx, node, dedup, context_ids))
+                    requests.append(req)
+            else:
+                nodes, prompts, n, temperature, max_tokens, stop = op.args
+                for node, prompt in zip(nodes, prompts):
+                    work.append((i, ctx, None, False, None))
+                    requests.append(self._ask_request(ctx, node, prompt, n, temperature,
+                                                      max_tokens, stop))
+        gens = self._generate(requests)
+        out: dict[int, list] = {i: [] for i, _ in ops}
+        for (i, ctx, node, dedup, context_ids), g in zip(work, gens):
+            if node is None:
+                out[i].append(self._texts(ctx, g))
+            else:
+                out[i].append(self._children(ctx, node, context_ids, g, dedup))
         return out
+
+    def _messages(self, ctx: SearchContext, node: Node) -> list[dict[str, str]]:
+        """The chat up to ``node``'s observation (without notes), cached per node."""
+        cached = ctx._messages.get(node.id)
+        if cached is None:
+            if node.parent is None:
+                cached = self.format.first_messages(ctx.env, ctx.task, node.observation)
+            else:
+                cached = self._messages(ctx, ctx.tree.nodes[node.parent]) + [
+                    {"role": "assistant", "content": node.step.completion},
+                    self.format.observation_message(node.observation)]
+            ctx._messages[node.id] = cached
+        return cached
 
     def _request(self, ctx: SearchContext, node: Node, k: int, temperature: float | None,
                  note: str) -> tuple[list[int] | None, GenRequest]:
-        path = ctx.tree.path(node)
-        messages = self.format.first_messages(ctx.env, ctx.task, path[0].observation,
-                                              note if node.parent is None else "")
-        for n in path[1:]:
-            messages.append({"role": "assistant", "content": n.step.completion})
-            messages.append(self.format.observation_message(
-                n.observation, note if n is node else ""))
+        messages = self._messages(ctx, node)
+        if note:
+            last = (self.format.first_messages(ctx.env, ctx.task, node.observation, note)[-1]
+                    if node.parent is None else self.format.observation_message(node.observation, note))
+            messages = messages[:-1] + [last]
         context_ids = prompt_ids = None
         if self.encoder is not None:
             if node.parent is None:
@@ -247,10 +212,14 @@ class Engine:
                 context_ids = self.encoder.observation_turn(
                     messages[-1]["content"], node.step.completion_ids or [])
                 prompt_ids = []
-                for n in path[1:]:
-                    prompt_ids += n.step.context_ids or []
-                    prompt_ids += n.step.completion_ids or []
-                prompt_ids += context_ids
+                nodes, cur = ctx.tree.nodes, node
+                parts = [context_ids]
+                while cur.parent is not None:
+                    parts.append(cur.step.completion_ids or [])
+                    parts.append(cur.step.context_ids or [])
+                    cur = nodes[cur.parent]
+                for part in reversed(parts):
+                    prompt_ids += part
         ctx.calls += 1
         s = self.sampling
         params = SamplingParams(s.temperature if temperature is None else temperature, s.top_p,
@@ -258,6 +227,30 @@ class Engine:
                                 _mix(ctx.seed, node.id, ctx.calls))
         meta = {"task": ctx.task, "snapshot": node.snapshot, "env": ctx.task.env}
         return context_ids, GenRequest(messages, params, prompt_ids, meta)
+
+    def _ask_request(self, ctx: SearchContext, node: Node, prompt: Any, n: int,
+                     temperature: float | None, max_tokens: int | None,
+                     stop: tuple[str, ...]) -> GenRequest:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        prompt_ids = self.encoder.first_prompt(messages) if self.encoder is not None else None
+        ctx.calls += 1
+        s = self.sampling
+        params = SamplingParams(s.temperature if temperature is None else temperature, s.top_p,
+                                max_tokens or s.max_tokens, stop, n,
+                                _mix(ctx.seed, "ask", node.id, ctx.calls))
+        meta = {"task": ctx.task, "snapshot": node.snapshot, "env": ctx.task.env, "ask": True}
+        return GenRequest(messages, params, prompt_ids, meta)
+
+    @staticmethod
+    def _texts(ctx: SearchContext, gens: list[Generation] | Exception) -> list[str]:
+        ctx.budget.charge(lm_calls=1)
+        if isinstance(gens, Exception):
+            ctx.faults.append(f"lm: {type(gens).__name__}: {gens}")
+            return []
+        if gens:
+            ctx.budget.charge(prompt_tokens=gens[0].prompt_tokens,
+                              completion_tokens=sum(g.completion_tokens for g in gens))
+        return [g.text for g in gens]
 
     def _generate(self, requests: list[GenRequest]) -> list[list[Generation] | Exception]:
         """One policy call per chunk of ``max_batch`` sequences; a failed chunk is retried one
@@ -298,17 +291,49 @@ class Engine:
         if gens:
             budget.charge(prompt_tokens=gens[0].prompt_tokens,
                           completion_tokens=sum(g.completion_tokens for g in gens))
-        seen = {ctx.tree.nodes[c].state_key for c in node.children} if dedup else set()
+        return self._add(ctx, node, context_ids, gens, dedup)
+
+    def _add(self, ctx: SearchContext, node: Node, context_ids: list[int] | None,
+             gens: list[Generation], dedup: bool) -> list[Node]:
+        seen = {ctx.tree.nodes[c].state_key for c in node.children} if dedup else None
         kids = []
         for gen in gens:
             child = self._step(ctx, node, context_ids, gen)
-            if dedup and child.status != FAILED:
+            if seen is not None and child.status != FAILED:
                 if child.state_key in seen:
                     child.status, child.error = PRUNED, "duplicate state"
                     continue
                 seen.add(child.state_key)
             kids.append(child)
         return kids
+
+    def apply(self, ctx: SearchContext, node: Node, completions: list[str], dedup: bool) -> list[Node]:
+        """Children from given completion texts (no LM call): see ``SearchContext.apply``."""
+        context_ids = None
+        if self.encoder is not None:
+            context_ids = (self.encoder.first_prompt(self._messages(ctx, node))
+                           if node.parent is None else self.encoder.observation_turn(
+                               self._messages(ctx, node)[-1]["content"], node.step.completion_ids or []))
+        encode = self.encoder.tok.encode if self.encoder is not None else (lambda _: [])
+        gens = [Generation(text, encode(text), None, 0, 0) for text in completions]
+        node.status = EXPANDED if node.status != TERMINAL else node.status
+        return self._add(ctx, node, context_ids, gens, dedup)
+
+    def heuristic(self, ctx: SearchContext, nodes: list[Node]) -> list[float]:
+        """``env.heuristic()`` at each node's state (restored first); a crash scores 0."""
+        out = []
+        for node in nodes:
+            try:
+                if ctx.env_at != node.id:
+                    ctx.env_at = None
+                    ctx.env.restore(node.snapshot)
+                    ctx.env_at = node.id
+                out.append(float(ctx.env.heuristic()))
+            except Exception as exc:
+                ctx.env_at = None
+                ctx.faults.append(f"env heuristic: {type(exc).__name__}: {exc}")
+                out.append(0.0)
+        return out
 
     def _step(self, ctx: SearchContext, node: Node, context_ids: list[int] | None,
               gen: Generation) -> Node:
@@ -353,16 +378,20 @@ class Engine:
         return child
 
     # --- evaluation ------------------------------------------------------------------------
-    def _evaluate_all(self, ops: list[tuple[int, _Op]]) -> dict[int, list[float]]:
+    def _evaluate_all(self, ops: list[tuple[int, Op]]) -> dict[int, list[float]]:
         rm = self.reward_model
-        flat = [(i, op.ctx, n) for i, op in ops for n in op.args[0]]
-        trajs = [ctx.tree.trajectory(n) for _, ctx, n in flat]
+        flat = [(i, op.ctx, n, op.args[1]) for i, op in ops for n in op.args[0]]
+        trajs = [ctx.tree.trajectory(n) for _, ctx, n, _ in flat]
         try:
-            values = rm.value(trajs)
+            if all(agg is None for *_, agg in flat):
+                values = rm.value(trajs)
+            else:
+                values = [aggregate(s, agg or rm.aggregation)
+                          for s, (*_, agg) in zip(rm.score(trajs), flat)]
         except Exception as exc:
             values = [exc] * len(flat)
         out: dict[int, list[float]] = {i: [] for i, _ in ops}
-        for (i, ctx, node), v in zip(flat, values):
+        for (i, ctx, node, _), v in zip(flat, values):
             ctx.budget.charge(rm_calls=1)
             if isinstance(v, Exception):
                 ctx.faults.append(f"rm: {type(v).__name__}: {v}")

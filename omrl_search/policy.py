@@ -40,6 +40,9 @@ class Policy(ABC):
     tokenizer: ChatTokenizer | None = None
     #: how many sequences one backend call may hold; the engine splits larger rounds.
     max_batch: int = 64
+    #: whether free-form prompts (self-evaluation, proposals, reflections) get real answers;
+    #: scripted policies only pick env actions and say no.
+    answers_prompts: bool = True
 
     @abstractmethod
     def generate(self, requests: list[GenRequest]) -> list[list[Generation]]:

@@ -45,7 +45,7 @@ class SearchResult:
             d = {f: getattr(n, f) for f in Node.__slots__ if f not in ("snapshot", "step")}
             d["step"] = asdict(n.step) if n.step is not None else None
             nodes.append(d)
-        merges = [[u, v] for u, v, m in self.tree.graph.edges(data="merge") if m]
+        merges = [list(e) for e in self.tree.merges]
         return {"task": asdict(self.task), "strategy": self.strategy, "best": self.best,
                 "success": self.success, "spent": self.spent, "faults": self.faults,
                 "stop_reason": self.stop_reason, "seconds": self.seconds,
@@ -71,10 +71,7 @@ class SearchResult:
             nodes.append(node)
         tree = SearchTree(task, nodes[0].observation, None)
         tree.nodes = nodes
-        for n in nodes[1:]:
-            tree.graph.add_edge(n.parent, n.id)
-        for u, v in data["tree"].get("merge_edges", []):
-            tree.graph.add_edge(u, v, merge=True)
+        tree.merges = [(int(u), int(v)) for u, v in data["tree"].get("merge_edges", [])]
         rest = a["meta"].validate_python({k: data[k] for k in _META_FIELDS if k in data})
         return cls(task=task, tree=tree, **rest)
 

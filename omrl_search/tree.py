@@ -1,8 +1,8 @@
 """Search trees: nodes (a step plus the env snapshot after it), root-to-leaf trajectories.
 
-The tree is a ``networkx.DiGraph`` over node ids (Graph-of-Thoughts adds merge edges, making it a
-DAG); node records live in a plain list so the hot path never goes through networkx attribute
-dicts.
+Node records live in a plain list (children as id lists) so the hot path never touches networkx;
+``SearchTree.graph`` builds the ``networkx.DiGraph`` over node ids on demand, tree edges plus the
+merge edges Graph-of-Thoughts adds (making it a DAG).
 """
 from __future__ import annotations
 
@@ -45,15 +45,29 @@ class Node:
 class SearchTree:
     """All nodes of one search, root first; edges in ``graph`` (tree edges and merge edges)."""
 
-    __slots__ = ("task", "nodes", "graph")
+    __slots__ = ("task", "nodes", "merges", "_graph", "_graph_size")
 
     def __init__(self, task: Task, observation: str, snapshot: Snapshot | None):
         self.task = task
-        self.graph = nx.DiGraph()
         root = Node(0, None, 0, observation, snapshot=snapshot,
                     state_key=snapshot.state_key if snapshot else "")
         self.nodes: list[Node] = [root]
-        self.graph.add_node(0)
+        self.merges: list[tuple[int, int]] = []  # extra parent edges (source, target)
+        self._graph: nx.DiGraph | None = None
+        self._graph_size = (0, 0)
+
+    @property
+    def graph(self) -> nx.DiGraph:
+        """The tree as a ``networkx.DiGraph``: tree edges, and merge edges marked ``merge=True``.
+        Built on first use after a change (adding edges per node would cost the hot path)."""
+        size = (len(self.nodes), len(self.merges))
+        if self._graph is None or self._graph_size != size:
+            g = nx.DiGraph()
+            g.add_nodes_from(range(len(self.nodes)))
+            g.add_edges_from((n.parent, n.id) for n in self.nodes if n.parent is not None)
+            g.add_edges_from(self.merges, merge=True)
+            self._graph, self._graph_size = g, size
+        return self._graph
 
     @property
     def root(self) -> Node:
@@ -64,12 +78,11 @@ class SearchTree:
                     snapshot=snapshot, state_key=state_key)
         self.nodes.append(node)
         parent.children.append(node.id)
-        self.graph.add_edge(parent.id, node.id)
         return node
 
     def add_merge_edge(self, source: Node, target: Node) -> None:
         """An extra parent edge (Graph-of-Thoughts aggregation)."""
-        self.graph.add_edge(source.id, target.id, merge=True)
+        self.merges.append((source.id, target.id))
 
     def path(self, node: Node) -> list[Node]:
         """Root-to-``node`` along tree (first-parent) edges."""

@@ -1,2 +1,2 @@
 """Search strategies, one file per algorithm; importing the package registers them."""
-from . import best_of_n, react  # noqa: F401
+from . import beam, best_of_n, dfsdt, got, mcts, react, tot  # noqa: F401

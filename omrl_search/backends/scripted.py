@@ -26,6 +26,7 @@ class ScriptedPolicy(Policy):
     """Base: subclasses choose an action (and its probability) from an env in the right state."""
 
     max_batch = 1 << 30
+    answers_prompts = False
 
     def __init__(self) -> None:
         self.tokenizer = ByteChatTokenizer()

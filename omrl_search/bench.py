@@ -1,0 +1,219 @@
+"""compare strategies at matched compute: every strategy at every budget, table and plots
+
+``omrl bench --env game24 --limit 100 --strategies react,beam,mcts --budgets tokens=2000,8000``
+runs each strategy on the same tasks under each per-task budget (any budget kind) and writes
+``DIR/summary.json`` (per strategy and budget, the fields of ``omrl search``'s summary),
+``DIR/table.md``, ``DIR/scaling.png`` (success rate against tokens spent per task, one line per
+strategy) and ``DIR/scaling_env_steps.png`` (against env steps). Every argument is checked
+before anything runs or is written.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from .api import load_tasks, search_many, summarize
+from .budget import KINDS, Budget
+from .env import env_class
+from .policy import make_policy
+from .result import write_results
+from .reward import make_reward_model
+from .specs import SpecError, coerce
+from .strategy import make_strategy
+from .types import SamplingParams
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--env", required=True, help="environment name")
+    p.add_argument("--split", default="test", help="task split (train|test)")
+    p.add_argument("--file", help="a JSONL file of tasks instead of the built-in split")
+    p.add_argument("--limit", type=int, default=None, help="first N tasks")
+    p.add_argument("--strategies", default="react,best_of_n,beam,tot,got,dfsdt,mcts",
+                   help="comma-separated strategy specs, e.g. react,beam:width=4,k=2,mcts")
+    p.add_argument("--policy", default="scripted:oracle:p=0.3", help="policy spec, as for search")
+    p.add_argument("--reward-model", default=None, help="e.g. rules:format=0.2,outcome=1")
+    p.add_argument("--budgets", required=True,
+                   help=f"KIND=V1,V2,... per-task limits; KIND is one of {', '.join(KINDS)}")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-depth", type=int, default=None, help="steps per episode (default: env's)")
+    p.add_argument("--max-tokens", type=int, default=96, help="completion tokens per step")
+    p.add_argument("--temperature", type=float, default=1.0, help="default sampling temperature")
+    p.add_argument("--concurrency", type=int, default=None, help="trees searched in lockstep")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--save-trees", action="store_true", help="also write DIR/trees/*.jsonl")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def split_strategies(text: str) -> list[str]:
+    """``"react,beam:width=4,k=2,mcts"`` -> ``["react", "beam:width=4,k=2", "mcts"]``: a piece
+    with ``=`` and no ``:`` continues the previous strategy's parameters."""
+    specs: list[str] = []
+    for piece in (p.strip() for p in text.split(",")):
+        if not piece:
+            continue
+        if "=" in piece and ":" not in piece.split("=", 1)[0] and specs and ":" in specs[-1]:
+            specs[-1] += "," + piece
+        elif "=" in piece and ":" not in piece:
+            raise SpecError(f"bad --strategies {text!r}: {piece!r} follows no strategy with parameters")
+        else:
+            specs.append(piece)
+    if not specs:
+        raise SpecError("--strategies is empty")
+    return specs
+
+
+def parse_budgets(text: str) -> tuple[str, list[float]]:
+    """``"tokens=2000,8000"`` -> ``("tokens", [2000, 8000])``, each value a valid limit."""
+    kind, eq, values = text.partition("=")
+    kind = kind.strip()
+    if not eq or kind not in KINDS:
+        raise SpecError(f"bad --budgets {text!r}: expected KIND=V1,V2,... with KIND one of {', '.join(KINDS)}")
+    out = []
+    for v in values.split(","):
+        value = coerce(v.strip())
+        Budget({kind: value})  # validates: a positive number
+        out.append(value)
+    if len(set(out)) != len(out):
+        raise SpecError(f"bad --budgets {text!r}: repeated value")
+    return kind, sorted(out)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .cli import UsageError, format_table
+
+    # --- validate everything first -------------------------------------------------------------
+    try:
+        env_class(args.env)
+    except KeyError as exc:
+        raise UsageError(exc.args[0]) from None
+    if args.limit is not None and args.limit < 1:
+        raise UsageError(f"--limit must be >= 1, got {args.limit}")
+    tasks = load_tasks(args.env, args.split, args.limit, args.file)
+    if not tasks:
+        raise UsageError(f"env {args.env!r} has no tasks in split {args.split!r}")
+    strategies = [make_strategy(s) for s in split_strategies(args.strategies)]
+    kind, limits = parse_budgets(args.budgets)
+    reward_model = make_reward_model(args.reward_model)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} exists and is not a directory")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError("omrl bench needs matplotlib for its plots: pip install matplotlib") from None
+    policy = make_policy(args.policy)
+    sampling = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    names = _names(strategies)
+
+    # --- run -----------------------------------------------------------------------------------
+    rows: dict[str, dict[str, dict[str, Any]]] = {}
+    out.mkdir(parents=True, exist_ok=True)
+    for name, strat in zip(names, strategies):
+        bar = None if args.no_progress else _bar(name, len(tasks) * len(limits))
+        rows[name] = {}
+        for limit in limits:
+            label = f"{kind}={limit:g}"
+            t0 = time.perf_counter()
+            results = search_many(tasks, strategy=strat, policy=policy, reward_model=reward_model,
+                                  budget={kind: limit}, seed=args.seed, max_depth=args.max_depth,
+                                  sampling=sampling, concurrency=args.concurrency,
+                                  on_result=(lambda r: bar.update(1)) if bar else None)
+            rows[name][label] = {"strategy": strat.spec(), **summarize(results, time.perf_counter() - t0)}
+            if bar is not None:
+                bar.set_postfix({label: f"{rows[name][label]['success_rate']:.2f}"})
+            if args.save_trees:
+                (out / "trees").mkdir(exist_ok=True)
+                write_results(out / "trees" / f"{name}@{label}.jsonl", results)
+        if bar is not None:
+            bar.close()
+
+    config = {"env": args.env, "split": args.split if not args.file else args.file,
+              "tasks": len(tasks), "policy": args.policy, "reward_model": args.reward_model,
+              "budget_kind": kind, "budgets": limits, "seed": args.seed}
+    _write(out / "summary.json", json.dumps({"config": config, "strategies": rows}, indent=2) + "\n")
+    _write(out / "table.md", markdown(config, rows))
+    plot(rows, out / "scaling.png", "tokens", f"tokens spent per task ({args.env}, {args.policy})")
+    plot(rows, out / "scaling_env_steps.png", "env_steps", f"env steps per task ({args.env}, {args.policy})")
+    flat = {f"{n}@{b}": s for n, per in rows.items() for b, s in per.items()}
+    print(format_table(flat))
+    print(f"wrote {out / 'summary.json'}, {out / 'table.md'}, {out / 'scaling.png'} and "
+          f"{out / 'scaling_env_steps.png'}")
+    return 0
+
+
+def _names(strategies) -> list[str]:
+    counts: dict[str, int] = {}
+    for s in strategies:
+        counts[s.name] = counts.get(s.name, 0) + 1
+    return [s.name if counts[s.name] == 1 else s.spec() for s in strategies]
+
+
+def _bar(name: str, total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=f"{name:>10}", unit="task")
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _per_task(s: dict[str, Any], key: str) -> float:
+    value = s["prompt_tokens"] + s["completion_tokens"] if key == "tokens" else s[key]
+    return value / max(s["tasks"], 1)
+
+
+def markdown(config: dict[str, Any], rows: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """``table.md``: success rate per strategy and budget, then the compute actually spent."""
+    labels = [f"{config['budget_kind']}={b:g}" for b in config["budgets"]]
+    lines = [f"# omrl bench: {config['env']} ({config['split']}, {config['tasks']} tasks), "
+             f"policy `{config['policy']}`, seed {config['seed']}", "",
+             "Success rate per per-task budget (`*`: the env's success check steers the search "
+             "or picks the answer — verifier in the loop).", "",
+             "| strategy | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
+    for name, per in rows.items():
+        mark = "*" if any(s["verifier_in_loop"] for s in per.values()) else ""
+        lines.append(f"| {name}{mark} | " + " | ".join(f"{per[b]['success_rate']:.2f}" for b in labels) + " |")
+    lines += ["", "Compute spent, mean per task:", "",
+              "| strategy | budget | success | tokens | lm_calls | rm_calls | env_steps | faults |",
+              "|---|---|---|---|---|---|---|---|"]
+    for name, per in rows.items():
+        for b in labels:
+            s = per[b]
+            lines.append(f"| {name} | {b} | {s['success_rate']:.2f} | {_per_task(s, 'tokens'):.0f} | "
+                         f"{_per_task(s, 'lm_calls'):.1f} | {_per_task(s, 'rm_calls'):.1f} | "
+                         f"{_per_task(s, 'env_steps'):.1f} | {s['faults']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: dict[str, dict[str, dict[str, Any]]], path: Path, key: str, xlabel: str) -> None:
+    """Success rate against the mean compute actually spent per task, one line per strategy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (name, per) in enumerate(rows.items()):
+        pts = sorted((_per_task(s, key), s["success_rate"]) for s in per.values())
+        verifier = any(s["verifier_in_loop"] for s in per.values())
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="osv^DPX*"[i % 8], markersize=7 - i % 3,
+                linestyle="--" if verifier else "-", alpha=0.85, zorder=10 - i,
+                label=name + (" (verifier)" if verifier else ""))
+    if all(x > 0 for per in rows.values() for x in (_per_task(s, key) for s in per.values())):
+        ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("success rate")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)

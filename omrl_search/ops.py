@@ -1,0 +1,146 @@
+"""What a strategy sees of one search: :class:`SearchContext` and its batched primitives.
+
+The primitives that need the LM or the reward model (``expand``, ``ask``, ``evaluate``) do not
+call anything themselves: they yield an :class:`Op` to the engine's driver, which serves every
+tree's pending ops of a round together (one policy call for all expansions *and* asks, one
+reward-model call for all evaluations) and resumes the strategies. ``apply`` and ``heuristic``
+touch only the env and run at once. Every primitive checks the budget *before* its batch and
+raises :class:`~omrl_search.budget.BudgetExhausted` when it is spent, so a search overshoots a
+limit by at most one batch.
+"""
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING, Any, Sequence
+
+from .tree import FAILED, Node, SearchTree
+from .types import Task
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .budget import Budget
+    from .engine import Engine
+    from .env import Env
+
+
+class Op:
+    """An operation a strategy waits on; the driver fills in the result."""
+
+    __slots__ = ("kind", "ctx", "args")
+
+    def __init__(self, kind: str, ctx: "SearchContext", args: tuple):
+        self.kind, self.ctx, self.args = kind, ctx, args
+
+    def __await__(self):
+        return (yield self)
+
+
+class SearchContext:
+    """One search: its task, tree, budget, RNG, per-search ``scratch`` and the primitives.
+
+    ``scratch`` is a free dict for the strategy's per-search state (one strategy instance
+    serves many searches, so such state never lives on the strategy).
+    """
+
+    def __init__(self, engine: "Engine", task: Task, env: "Env", tree: SearchTree,
+                 budget: "Budget", seed: int, max_depth: int):
+        self.engine, self.task, self.env, self.tree, self.budget = engine, task, env, tree, budget
+        self.rng = random.Random(seed)
+        self.seed = seed
+        self.max_depth = max_depth
+        self.faults: list[str] = []
+        self.env_at: int | None = 0  # node whose state the live env holds
+        self.calls = 0
+        self.has_reward_model = engine.reward_model is not None
+        self.scratch: dict[str, Any] = {}
+        self.verifier_used = False  # set when the env's success check was consulted
+        self._messages: dict[int, list[dict[str, str]]] = {}  # engine's prompt cache
+
+    # --- batched LM / reward-model primitives ------------------------------------------------
+    async def expand(self, nodes: Sequence[Node], k: int = 1, *, temperature: float | None = None,
+                     dedup: bool = False, notes: Sequence[str] | None = None) -> list[list[Node]]:
+        """Sample ``k`` completions at each node, step the env for each, return the children.
+
+        ``notes`` adds text to each node's prompt (e.g. DFSDT's previously tried siblings).
+        With ``dedup`` a child whose state key equals an existing sibling's is kept in the tree
+        as pruned and not returned.
+        """
+        self.budget.check()
+        if not nodes:
+            return []
+        return await Op("expand", self, (list(nodes), k, temperature, dedup, notes))
+
+    async def ask(self, nodes: Sequence[Node], prompts: Sequence[Any], *, n: int = 1,
+                  temperature: float | None = None, max_tokens: int | None = None,
+                  stop: Sequence[str] = ()) -> list[list[str]]:
+        """Raw LM prompts (a string or chat messages each) about ``nodes``; ``n`` texts each.
+
+        For LM self-evaluation, proposal lists and reflections. Served in the same policy call
+        as the round's expansions and charged like them. Needs a policy that answers free-form
+        prompts (:attr:`can_ask`); scripted policies only pick env actions.
+        """
+        if not self.can_ask:
+            raise RuntimeError(f"policy {self.engine.policy.name!r} does not answer free-form prompts")
+        self.budget.check()
+        if not nodes:
+            return []
+        return await Op("ask", self, (list(nodes), list(prompts), n, temperature, max_tokens,
+                                      tuple(stop)))
+
+    async def evaluate(self, nodes: Sequence[Node], *, aggregation: str | None = None) -> list[float]:
+        """Reward-model values of the paths ending at ``nodes`` (stored in ``node.score``);
+        per-step scores reduced by ``aggregation`` (default: the reward model's own)."""
+        if self.engine.reward_model is None:
+            raise RuntimeError("evaluate() needs a reward model")
+        self.budget.check()
+        if not nodes:
+            return []
+        return await Op("evaluate", self, (list(nodes), aggregation))
+
+    async def rollout(self, nodes: Sequence[Node], *, temperature: float | None = None) -> list[Node]:
+        """Extend each node one sampled step at a time until terminal; return the leaves."""
+        leaves: list[Node | None] = [n if not self.expandable(n) else None for n in nodes]
+        frontier = [(i, n) for i, n in enumerate(nodes) if leaves[i] is None]
+        while frontier:
+            kids = await self.expand([n for _, n in frontier], 1, temperature=temperature)
+            nxt = []
+            for (i, n), ch in zip(frontier, kids):
+                child = ch[0] if ch else n
+                if ch and self.expandable(child):
+                    nxt.append((i, child))
+                else:
+                    leaves[i] = child
+            frontier = nxt
+        return leaves  # type: ignore[return-value]
+
+    # --- env-only primitives (run at once, no LM) ---------------------------------------------
+    def apply(self, node: Node, completions: Sequence[str], *, dedup: bool = True) -> list[Node]:
+        """Children of ``node`` from given completion texts (e.g. steps an LM listed in one
+        ``ask``), each stepped in the env after restoring ``node``'s snapshot."""
+        self.budget.check()
+        return self.engine.apply(self, node, list(completions), dedup)
+
+    @property
+    def has_heuristic(self) -> bool:
+        return callable(getattr(self.env, "heuristic", None))
+
+    def heuristic(self, nodes: Sequence[Node]) -> list[float]:
+        """The env's own ``heuristic()`` of each node's state (envs that offer one)."""
+        return self.engine.heuristic(self, list(nodes))
+
+    def verify(self, node: Node) -> bool:
+        """The env's success check of a node. Consulting it marks the result
+        ``verifier_in_loop``: the search was steered or chosen by the env's own verifier."""
+        self.verifier_used = True
+        return node.success
+
+    # --- helpers ------------------------------------------------------------------------------
+    @property
+    def can_ask(self) -> bool:
+        return self.engine.answers_prompts
+
+    def expandable(self, node: Node) -> bool:
+        return not node.terminal and node.status != FAILED and node.depth < self.max_depth
+
+    @property
+    def root(self) -> Node:
+        return self.tree.root

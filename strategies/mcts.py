@@ -1,0 +1,232 @@
+"""Monte-Carlo tree search with PUCT (Silver et al., Nature 2017, AlphaGo Zero), as used for LM
+agents by LATS (Zhou et al., ICML 2024, "Language Agent Tree Search") and rStar-Math (Guan et
+al. 2025), batched over many leaves per round with virtual loss.
+
+    repeat until the budget or `simulations` run out:
+        select up to `leaves` leaves, each by descending along the PUCT argmax
+            Q(c) + c_puct * P(c) * sqrt(N(parent)) / (1 + N(c)),
+        adding a virtual loss along the path so the next descent goes elsewhere
+        expand all selected leaves in ONE LM call, k children each
+            (priors P: softmax of the children's logprobs, or uniform;
+             progressive widening lets a node grow to k * N^widen children)
+        evaluate: every new child (PRM, heuristic, LM, logprob), or the most probable new
+            child by a rollout to a terminal, or (1 - lam) * PRM + lam * rollout
+        remove the virtual losses and back the values up to the root
+        (reflect) after a failed terminal, write a LATS-style reflection for later prompts
+    answer: follow the most visited (final=visits) or best-valued (final=value) children
+
+Knobs: ``simulations``, ``leaves``, ``k``, ``c_puct``, ``priors`` (logprob | uniform), ``value``
+(auto | rm | rollout | mix | heuristic | lm | logprob; auto = rm with a reward model, else the
+env heuristic, else rollout), ``lam``, ``widen`` (0 = off), ``reflect``, ``final``,
+``temperature``. Rollouts, and reflections on failures, consult the env's success check: such
+results are flagged ``verifier_in_loop``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from omrl_search.strategy import Strategy, register_strategy
+from omrl_search.tree import FAILED, PRUNED
+
+from .values import Mix, RMValue, RolloutValue, check_value, history, make_value, step_logprob
+
+REFLECT_PROMPT = (
+    "You attempted this task and failed.\n\nTask: {task}\n\nYour steps:\n{history}\n\n"
+    "Final observation:\n{state}\n\nIn two or three sentences, say what went wrong and give a "
+    "short plan that avoids it."
+)
+
+
+@register_strategy("mcts")
+@dataclass
+class MCTS(Strategy):
+    simulations: int = 64
+    leaves: int = 4
+    k: int = 3
+    c_puct: float = 1.0
+    priors: str = "logprob"
+    value: Any = "auto"
+    lam: float = 0.5
+    widen: float = 0.0
+    reflect: bool = False
+    final: str = "visits"
+    temperature: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.simulations < 1 or self.leaves < 1 or self.k < 1:
+            raise ValueError("simulations, leaves and k must be >= 1")
+        if self.priors not in ("logprob", "uniform") or self.final not in ("visits", "value"):
+            raise ValueError("priors must be logprob|uniform and final visits|value")
+        if not 0.0 <= self.lam <= 1.0 or self.widen < 0 or self.c_puct < 0:
+            raise ValueError("need 0 <= lam <= 1, widen >= 0 and c_puct >= 0")
+        check_value(self.value, ("auto", "rm", "rollout", "mix", "heuristic", "lm", "logprob"))
+
+    def _value(self, ctx):
+        spec = self.value
+        if spec == "auto":
+            spec = "rm" if ctx.has_reward_model else "heuristic" if ctx.has_heuristic else "rollout"
+        if spec == "mix":
+            return Mix(RMValue(), RolloutValue(self.temperature), self.lam)
+        if spec == "rollout":
+            return RolloutValue(self.temperature)
+        return make_value(spec, ctx)
+
+    async def run(self, ctx) -> None:
+        value = self._value(ctx)
+        one_child = isinstance(value, (RolloutValue, Mix))  # costly values: one child per leaf
+        s = ctx.scratch
+        s.update(kids={}, closed=set(), dead=set(), sims=0, reflections=[])
+        while s["sims"] < self.simulations:
+            batch, paths = self._select_batch(ctx)
+            if not batch:
+                return
+            try:
+                grow = [leaf for leaf in batch if not leaf.terminal]
+                notes = [self._note(ctx)] * len(grow) if s["reflections"] else None
+                kids = await ctx.expand(grow, self.k, temperature=self.temperature, dedup=True,
+                                        notes=notes)
+            finally:
+                for path in paths:  # remove the virtual losses
+                    for n in path:
+                        n.visits -= 1
+            targets = [leaf for leaf in batch if leaf.terminal]
+            dead = []
+            for leaf, new in zip(grow, kids):
+                if not new and leaf.id in s["kids"]:
+                    s["closed"].add(leaf.id)  # widening found nothing new
+                live = self._set_children(ctx, leaf)
+                if new:
+                    targets += [max(new, key=lambda c: c.prior)] if one_child else new
+                elif not live:
+                    self._kill(ctx, leaf)
+                    dead.append(leaf)  # a dead end: backed up as a 0
+            for t, v in zip(targets, await value(ctx, targets)):
+                self._backup(ctx, t, v)
+            for t in dead:
+                self._backup(ctx, t, 0.0)
+            if self.reflect:
+                await self._reflect(ctx, targets)
+
+    # --- selection -----------------------------------------------------------------------------
+    def _select_batch(self, ctx) -> tuple[list, list]:
+        """Up to ``leaves`` distinct leaves; a descent that reaches an already chosen leaf (a
+        collision) keeps its virtual loss, which steers the following descents elsewhere."""
+        batch, paths, chosen = [], [], set()
+        for _ in range(self.leaves):
+            found = self._descend(ctx)
+            if found is None:
+                break
+            paths.append(found[1])
+            if found[0].id not in chosen:
+                chosen.add(found[0].id)
+                batch.append(found[0])
+        return batch, paths
+
+    def _descend(self, ctx):
+        """One PUCT descent from the root with a virtual loss on its path; None when every
+        branch is a dead end."""
+        kids_of, dead, c_puct, root = ctx.scratch["kids"], ctx.scratch["dead"], self.c_puct, ctx.root
+        widen = self._widens if self.widen else (lambda ctx, node: False)
+        while root.id not in dead:
+            node, path = root, [root]
+            while not node.terminal and not widen(ctx, node):
+                kids = kids_of.get(node.id)
+                if not kids:  # None: not expanded yet, the leaf; []: a dead end
+                    break
+                explore = c_puct * math.sqrt(node.visits or 1)
+                fpu = node.value_sum / node.visits if node.visits else 0.0
+                best, top = None, -math.inf
+                for c in kids:
+                    n = c.visits
+                    score = (c.value_sum / n if n else fpu) + explore * c.prior / (1 + n)
+                    if score > top:
+                        best, top = c, score
+                node = best
+                path.append(node)
+            if kids_of.get(node.id) == [] and not widen(ctx, node):
+                self._kill(ctx, node)
+                continue
+            for n in path:
+                n.visits += 1  # virtual loss: a visit worth 0
+            return node, path
+        return None
+
+    def _kill(self, ctx, node) -> None:
+        """A node with nothing left to try: drop it from its parent's children."""
+        ctx.scratch["dead"].add(node.id)
+        if node.parent is not None:
+            siblings = ctx.scratch["kids"].get(node.parent)
+            if siblings is not None and node in siblings:
+                siblings.remove(node)
+
+    def _widens(self, ctx, node) -> bool:
+        if not self.widen or node.id in ctx.scratch["closed"] or node.id not in ctx.scratch["kids"]:
+            return False
+        return len(ctx.scratch["kids"][node.id]) < self.k * max(node.visits, 1) ** self.widen
+
+    def _set_children(self, ctx, node) -> list:
+        """Record the node's live children and set their priors."""
+        dead = ctx.scratch["dead"]
+        kids = [c for c in (ctx.tree.nodes[i] for i in node.children)
+                if c.status != PRUNED and c.status != FAILED and c.id not in dead]
+        ctx.scratch["kids"][node.id] = kids
+        if self.priors == "uniform":
+            for c in kids:
+                c.prior = 1.0 / len(kids)
+            return kids
+        lps = [step_logprob(c) for c in kids]
+        top = max(lps, default=0.0)
+        z = math.fsum(math.exp(lp - top) for lp in lps)
+        for c, lp in zip(kids, lps):
+            c.prior = math.exp(lp - top) / z
+        return kids
+
+    # --- backup and reflection -----------------------------------------------------------------
+    def _backup(self, ctx, node, v: float) -> None:
+        ctx.scratch["sims"] += 1
+        for n in ctx.tree.path(node):
+            n.visits += 1
+            n.value_sum += v
+
+    def _note(self, ctx) -> str:
+        return "Reflections on earlier failed attempts:\n" + "\n".join(
+            f"- {r}" for r in ctx.scratch["reflections"][-3:])
+
+    async def _reflect(self, ctx, targets) -> None:
+        rollout = ctx.scratch.get("rollout", {})
+        ends = [ctx.tree.nodes[rollout.get(t.id, t.id)] for t in targets]
+        failed = [e for e in ends if e.terminal and e.status != FAILED and not ctx.verify(e)]
+        if not failed:
+            return
+        end = failed[0]  # one reflection per round
+        if ctx.can_ask:
+            prompt = REFLECT_PROMPT.format(task=ctx.task.instruction, history=history(ctx, end),
+                                           state=end.observation)
+            (texts,) = await ctx.ask([end], [prompt], max_tokens=96)
+            text = " ".join((texts[0] if texts else "").split())
+        else:  # a policy that only picks actions: record the failed attempt itself
+            text = f"the steps {history(ctx, end).replace(chr(10), ' ')} ended with: " \
+                   f"{end.observation.strip().splitlines()[-1]}"
+        if text:
+            ctx.scratch["reflections"].append(text)
+
+    # --- the answer ----------------------------------------------------------------------------
+    def select(self, ctx):
+        key = ((lambda c: (c.visits, c.value)) if self.final == "visits"
+               else (lambda c: (c.value, c.visits)))
+        node, dead = ctx.root, ctx.scratch.get("dead", ())
+        while True:
+            kids = [c for c in (ctx.tree.nodes[i] for i in node.children)
+                    if c.visits > 0 and c.status not in (PRUNED, FAILED) and c.id not in dead]
+            if not kids:
+                break
+            node = max(kids, key=key)
+        if node.terminal:
+            return node
+        leaf = ctx.scratch.get("rollout", {}).get(node.id)
+        if leaf is not None:
+            return ctx.tree.nodes[leaf]
+        done = [n for n in ctx.tree.nodes if n.terminal and n.visits > 0 and n.status != FAILED]
+        return max(done, key=key) if done else (node if node is not ctx.root else None)

@@ -1,0 +1,255 @@
+"""Value sources and frontier helpers shared by beam, ToT, GoT and MCTS.
+
+A value source scores nodes, ``await source(ctx, nodes) -> list[float]`` (higher is better, in
+[0, 1] for the built-in ones). Per-step sources give each step (or state) a value and reduce the
+values along the path with ``agg`` — ``last | min | mean | prod``, search-and-learn's convention.
+Values are cached per search in ``ctx.scratch``, so a node (or, for state values, a state) is
+scored once.
+
+* ``rm`` — the reward model (``ctx.evaluate``), per-step scores reduced by ``agg``;
+* ``heuristic`` — the env's own ``heuristic()`` of each state, for envs that offer one;
+* ``lm`` — LM self-evaluation as in Tree-of-Thoughts: the LM judges each state *sure*, *likely*
+  or *impossible*, sampled ``n`` times, mapped to numbers and averaged (needs a policy that
+  answers free-form prompts);
+* ``logprob`` — the policy's own probability of each step (``exp`` of its summed token
+  logprobs); free, but with a real LM it favours short steps;
+* ``rollout`` — roll out to a terminal and score 1 if the env reports success. This consults
+  the env's success check, so searches using it are flagged ``verifier_in_loop``;
+* ``auto`` — ``rm`` when the search has a reward model, else ``heuristic`` when the env has one,
+  else ``lm`` when the policy answers prompts, else ``logprob`` (the fallback for scripted
+  policies, which only pick actions).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable, Sequence
+
+from omrl_search.reward import AGGREGATIONS, aggregate
+from omrl_search.tree import FAILED, PRUNED, Node
+
+SOURCES = ("auto", "rm", "heuristic", "lm", "logprob", "rollout")
+
+
+class ValueSource:
+    """Base of the per-step sources: scores missing steps, caches, reduces along the path."""
+
+    name = ""
+    by_state = False  # cache by state key (the value depends on the state only) or by node id
+
+    def __init__(self, agg: str = "last"):
+        if agg not in AGGREGATIONS:
+            raise ValueError(f"unknown aggregation {agg!r} (known: {', '.join(AGGREGATIONS)})")
+        self.agg = agg
+
+    async def __call__(self, ctx, nodes: Sequence[Node]) -> list[float]:
+        cache = ctx.scratch.setdefault(("value", self.name), {})
+        key = (lambda n: n.state_key) if self.by_state else (lambda n: n.id)
+        paths = [[n] if self.agg == "last" else ctx.tree.path(n)[1:] for n in nodes]
+        todo: dict[Any, Node] = {}
+        for path in paths:
+            for n in path:
+                if n.status != FAILED and key(n) not in cache:
+                    todo.setdefault(key(n), n)
+        if todo:
+            cache.update(zip(todo, await self.step_values(ctx, list(todo.values()))))
+        return [aggregate([cache[key(n)] if n.status != FAILED else 0.0 for n in p], self.agg)
+                for p in paths]
+
+    async def step_values(self, ctx, nodes: list[Node]) -> list[float]:  # pragma: no cover
+        raise NotImplementedError
+
+
+class RMValue(ValueSource):
+    """The reward model's per-step scores of each path, reduced by ``agg``."""
+
+    name = "rm"
+
+    async def __call__(self, ctx, nodes: Sequence[Node]) -> list[float]:
+        cache = ctx.scratch.setdefault(("value", "rm", self.agg), {})
+        todo = list({n.id: n for n in nodes if n.id not in cache}.values())
+        if todo:
+            cache.update(zip((n.id for n in todo), await ctx.evaluate(todo, aggregation=self.agg)))
+        return [cache[n.id] for n in nodes]
+
+
+class HeuristicValue(ValueSource):
+    """The env's ``heuristic()`` of each state on the path."""
+
+    name, by_state = "heuristic", True
+
+    async def step_values(self, ctx, nodes: list[Node]) -> list[float]:
+        return ctx.heuristic(nodes)
+
+
+class LogprobValue(ValueSource):
+    """The policy's probability of each step; 1 for steps without logprobs."""
+
+    name = "logprob"
+
+    async def step_values(self, ctx, nodes: list[Node]) -> list[float]:
+        return [step_prob(n) for n in nodes]
+
+
+def step_logprob(node: Node) -> float:
+    """Summed token logprob of the step that led to ``node`` (0 when unknown)."""
+    lps = node.step.logprobs if node.step is not None else None
+    return math.fsum(lps) if lps else 0.0
+
+
+def step_prob(node: Node) -> float:
+    return math.exp(step_logprob(node))
+
+
+VALUE_PROMPT = (
+    "Evaluate a partial attempt at a task.\n\nTask: {task}\n\nSteps so far:\n{history}\n\n"
+    "Current state:\n{state}\n\nCan the task still be completed from this state? Reason in one "
+    "or two sentences, then give your verdict as the last word: sure, likely or impossible."
+)
+
+
+def history(ctx, node: Node) -> str:
+    steps = [n.step for n in ctx.tree.path(node)[1:]]
+    return "\n".join(f"{i}. {s.action or '(invalid)'}" for i, s in enumerate(steps, 1)) or "(none)"
+
+
+class LMValue(ValueSource):
+    """Tree-of-Thoughts' value prompt: ``n`` sampled verdicts per state, mapped and reduced.
+
+    The default mapping is the paper's sure/likely/impossible = 20/1/0.001 scaled by 1/20 into
+    [0, 1] (same ranking as the paper's sum over ``n`` samples); pass ``mapping`` and
+    ``reduce="sum"`` for the paper's numbers exactly, and ``prompt`` (a format string with
+    ``{task}``, ``{history}``, ``{state}``, or a function ``(ctx, node) -> str``) for its prompts.
+    A sample with no verdict counts 0.
+    """
+
+    name, by_state = "lm", True
+    MAPPING = {"sure": 1.0, "likely": 0.05, "impossible": 0.00005}
+
+    def __init__(self, agg: str = "last", n: int = 3, mapping: dict[str, float] | None = None,
+                 prompt: "str | Callable[[Any, Node], str]" = VALUE_PROMPT, reduce: str = "mean",
+                 temperature: float | None = None, max_tokens: int = 64):
+        super().__init__(agg)
+        if n < 1 or reduce not in ("mean", "sum"):
+            raise ValueError(f"LMValue needs n >= 1 and reduce mean|sum (got n={n}, reduce={reduce!r})")
+        self.n, self.mapping, self.prompt, self.reduce = n, dict(mapping or self.MAPPING), prompt, reduce
+        self.temperature, self.max_tokens = temperature, max_tokens
+
+    def render(self, ctx, node: Node) -> str:
+        if callable(self.prompt):
+            return self.prompt(ctx, node)
+        return self.prompt.format(task=ctx.task.instruction, history=history(ctx, node),
+                                  state=node.observation)
+
+    def verdict(self, text: str) -> float:
+        words = [w.strip(".,:;!*'\"()") for w in text.lower().split()]
+        return next((self.mapping[w] for w in reversed(words) if w in self.mapping), 0.0)
+
+    async def step_values(self, ctx, nodes: list[Node]) -> list[float]:
+        texts = await ctx.ask(nodes, [self.render(ctx, n) for n in nodes], n=self.n,
+                              temperature=self.temperature, max_tokens=self.max_tokens)
+        out = []
+        for samples in texts:
+            vals = [self.verdict(t) for t in samples]
+            total = math.fsum(vals)
+            out.append(total if self.reduce == "sum" else total / max(len(vals), 1))
+        return out
+
+
+class RolloutValue:
+    """1 when a rollout from the node reaches a successful terminal, else 0 (the env's
+    verifier: flags the search). The leaf reached is remembered in ``ctx.scratch["rollout"]``."""
+
+    name = "rollout"
+
+    def __init__(self, temperature: float | None = None):
+        self.temperature = temperature
+
+    async def __call__(self, ctx, nodes: Sequence[Node]) -> list[float]:
+        leaves = await ctx.rollout(nodes, temperature=self.temperature)
+        seen = ctx.scratch.setdefault("rollout", {})
+        out = []
+        for node, leaf in zip(nodes, leaves):
+            seen[node.id] = leaf.id
+            out.append(1.0 if leaf.status != FAILED and ctx.verify(leaf) else 0.0)
+        return out
+
+
+class Mix:
+    """``(1 - lam) * first + lam * second`` (e.g. AlphaGo's mix of a value model and rollouts)."""
+
+    def __init__(self, first: Any, second: Any, lam: float):
+        if not 0.0 <= lam <= 1.0:
+            raise ValueError(f"lam must be in [0, 1], got {lam}")
+        self.first, self.second, self.lam = first, second, lam
+        self.name = f"mix({first.name},{second.name},{lam})"
+
+    async def __call__(self, ctx, nodes: Sequence[Node]) -> list[float]:
+        a = await self.first(ctx, nodes)
+        b = await self.second(ctx, nodes)
+        return [(1 - self.lam) * x + self.lam * y for x, y in zip(a, b)]
+
+
+def make_value(spec: Any, ctx, agg: str = "last", **lm_options: Any) -> Any:
+    """A value source from its name (resolving ``auto`` for this search) or an object."""
+    if not isinstance(spec, str):
+        return spec
+    if spec == "auto":
+        spec = ("rm" if ctx.has_reward_model else "heuristic" if ctx.has_heuristic
+                else "lm" if ctx.can_ask else "logprob")
+    if spec == "rm":
+        return RMValue(agg)
+    if spec == "heuristic":
+        return HeuristicValue(agg)
+    if spec == "lm":
+        return LMValue(agg, **lm_options)
+    if spec == "logprob":
+        return LogprobValue(agg)
+    if spec == "rollout":
+        return RolloutValue()
+    raise ValueError(f"unknown value source {spec!r} (known: {', '.join(SOURCES)})")
+
+
+def check_value(spec: Any, allowed: Sequence[str] = SOURCES) -> None:
+    """Validate a value-source knob at construction (strings only; objects pass)."""
+    if isinstance(spec, str) and spec not in allowed:
+        raise ValueError(f"unknown value source {spec!r} (known: {', '.join(allowed)})")
+
+
+# --- frontier helpers --------------------------------------------------------------------------
+def unique_states(nodes: Iterable[Node]) -> list[Node]:
+    """Drop failed nodes and later nodes whose state repeats an earlier one (marked pruned),
+    so duplicate candidates are scored once."""
+    seen, out = set(), []
+    for n in nodes:
+        if n.status == FAILED or n.status == PRUNED:
+            continue
+        if n.state_key in seen:
+            n.status, n.error = PRUNED, "duplicate state"
+            continue
+        seen.add(n.state_key)
+        out.append(n)
+    return out
+
+
+def remember(ctx, nodes: Sequence[Node], values: Sequence[float]) -> None:
+    """Record the strategy's values of nodes (read by :func:`best_answer`)."""
+    ctx.scratch.setdefault("values", {}).update((n.id, v) for n, v in zip(nodes, values))
+
+
+def keep_best(ctx, nodes: Sequence[Node], values: Sequence[float], n: int, why: str) -> list[Node]:
+    """The ``n`` best nodes by value (ties: earlier first); the others are marked pruned."""
+    remember(ctx, nodes, values)
+    order = sorted(range(len(nodes)), key=lambda i: -values[i])
+    kept = sorted(order[:n])
+    for i in order[n:]:
+        nodes[i].status, nodes[i].error = PRUNED, why
+    return [nodes[i] for i in kept]
+
+
+def best_answer(ctx) -> Node | None:
+    """The best-valued finished node, else the best-valued node, else None."""
+    values: dict[int, float] = ctx.scratch.get("values", {})
+    nodes = [ctx.tree.nodes[i] for i in values]
+    done = [n for n in nodes if n.terminal and n.status != FAILED]
+    pool = done or nodes
+    return max(pool, key=lambda n: values[n.id]) if pool else None

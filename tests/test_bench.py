@@ -1,0 +1,79 @@
+"""``omrl bench``: outputs, argument parsing, and one-line errors that write nothing."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from omrl_search.api import SUMMARY_FIELDS
+from omrl_search.bench import parse_budgets, split_strategies
+from omrl_search.cli import main
+from omrl_search.specs import SpecError
+
+pytest.importorskip("matplotlib")
+
+
+def test_bench_writes_summary_table_and_plots(tmp_path, capsys):
+    out = tmp_path / "bench"
+    rc = main(["bench", "--env", "game24", "--limit", "8", "--strategies", "react,beam:width=2,k=2,mcts",
+               "--policy", "scripted:oracle:p=0.3", "--budgets", "lm_calls=2,20", "--seed", "0",
+               "--out", str(out), "--no-progress", "--save-trees"])
+    assert rc == 0
+    data = json.loads((out / "summary.json").read_text())
+    assert data["config"]["budgets"] == [2, 20] and data["config"]["tasks"] == 8
+    assert list(data["strategies"]) == ["react", "beam", "mcts"]
+    for name, per in data["strategies"].items():
+        assert list(per) == ["lm_calls=2", "lm_calls=20"]
+        for row in per.values():
+            assert set(SUMMARY_FIELDS) | {"verifier_in_loop", "strategy"} == set(row)
+            assert row["tasks"] == 8
+        assert per["lm_calls=2"]["lm_calls"] <= per["lm_calls=20"]["lm_calls"]
+    assert data["strategies"]["beam"]["lm_calls=2"]["strategy"].startswith("beam:width=2,k=2")
+    table = (out / "table.md").read_text()
+    assert "| mcts* |" in table and "| beam | lm_calls=20 |" in table
+    for png in ("scaling.png", "scaling_env_steps.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len((out / "trees" / "react@lm_calls=2.jsonl").read_text().splitlines()) == 8
+    assert "react@lm_calls=20" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--env", "nope"], "unknown env 'nope'"),
+    (["--strategies", "react,zigzag"], "unknown strategy 'zigzag'"),
+    (["--strategies", "k=2,react"], "follows no strategy"),
+    (["--strategies", "beam:width=0"], "width and k must be >= 1"),
+    (["--strategies", "mcts:value=oracle"], "unknown value source 'oracle'"),
+    (["--strategies", "got:graph=score"], "needs a generate"),
+    (["--budgets", "joules=5"], "KIND=V1,V2"),
+    (["--budgets", "tokens=100,-5"], "tokens=-5"),
+    (["--budgets", "tokens=100,100"], "repeated"),
+    (["--policy", "gpt9"], "unknown policy 'gpt9'"),
+    (["--limit", "0"], "--limit"),
+    (["--reward-model", "magic"], "unknown reward model"),
+])
+def test_bad_arguments_one_line_no_output(tmp_path, capsys, args, needle):
+    out = tmp_path / "bench"
+    base = {"--env": "game24", "--budgets": "tokens=100", "--strategies": "react"}
+    for flag, _ in zip(args[::2], args[1::2]):
+        base.pop(flag, None)
+    argv = ["bench", *[x for kv in base.items() for x in kv], *args, "--out", str(out), "--no-progress"]
+    rc = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert len(err.splitlines()) == 1 and needle in err, err
+    assert not out.exists()
+
+
+def test_out_must_be_a_directory(tmp_path, capsys):
+    f = tmp_path / "file"
+    f.write_text("x")
+    rc = main(["bench", "--env", "game24", "--budgets", "tokens=100", "--out", str(f), "--no-progress"])
+    assert rc == 2 and "not a directory" in capsys.readouterr().err
+
+
+def test_strategy_and_budget_lists_parse():
+    assert split_strategies("react,beam:width=4,k=2,mcts:leaves=8") == \
+        ["react", "beam:width=4,k=2", "mcts:leaves=8"]
+    assert parse_budgets("env_steps=40,10") == ("env_steps", [10, 40])
+    with pytest.raises(SpecError):
+        parse_budgets("tokens")
