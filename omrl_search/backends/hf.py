@@ -1,0 +1,424 @@
+"""The ``hf`` backend: a transformers causal LM, batched generation on CPU or one GPU.
+
+Spec: ``hf:PATH`` (an HF model folder), optionally followed by ``:key=value,...`` options, e.g.
+``hf:/models/smol:dtype=bfloat16,max_batch=16``.
+
+How one :meth:`HFPolicy.generate` call runs:
+
+* every request becomes ``params.n`` rows; rows are sorted by prompt length and cut into chunks of
+  at most ``max_batch`` rows (less padding);
+* in a chunk each distinct prompt is prefilled **once** (left padded, explicit position ids) and its
+  KV cache is then fanned out to its ``n`` rows, so ``n`` samples cost one prefill;
+* the decode loop samples every row with its own temperature / top-p (one ``torch.Generator`` per
+  call, seeded from the first request's ``seed``), records the raw log-probability of the chosen
+  token (``log_softmax`` of the unscaled logits: what a trainer recomputes), and drops a row from
+  the batch (and its KV cache) as soon as it ends on EOS, a stop string or ``max_tokens``.
+
+Nothing heavy is imported at module level.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+from ..policy import Policy, PolicyError, register_policy, require
+from ..types import GenRequest, Generation
+from .hf_tokenizer import HFChatTokenizer
+
+#: the CPU dtype used when ``dtype="auto"``. Measured with benchmarks/backend_throughput.py on a
+#: 2-core Sapphire Rapids VM (AMX/avx512_bf16): see :data:`omrl_search.backends.smollm2.DEFAULT`.
+CPU_DEFAULT_DTYPE = "float32"
+
+
+def _cpu_auto_dtype(torch: Any) -> str:
+    """:data:`CPU_DEFAULT_DTYPE`, but float32 on CPUs without native bfloat16 (AMX or
+    AVX512-BF16), where bfloat16 matmuls are emulated and slower than float32."""
+    if CPU_DEFAULT_DTYPE != "bfloat16":
+        return CPU_DEFAULT_DTYPE
+    try:
+        native = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    except AttributeError:  # older/newer torch without these probes
+        native = False
+    return "bfloat16" if native else "float32"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _looks_local(path: str) -> bool:
+    """A filesystem path (must exist here) rather than a hub id like ``org/name``."""
+    return (
+        os.path.isabs(path)
+        or path.startswith((".", "~"))
+        or path.count("/") > 1
+        or path.endswith(".gguf")
+        or os.sep != "/" and os.sep in path
+    )
+
+
+class Row:
+    """One generated sequence's bookkeeping, shared by the backends: its tokens and raw logprobs,
+    and when it ends (EOS: kept in ``token_ids``, cut from the text; a stop string: text cut
+    before it, ``token_ids`` up to the token that completed it; ``limit`` tokens: "length")."""
+
+    __slots__ = ("prompt_len", "limit", "tok", "eos", "stops", "max_stop", "ids", "lps", "checked",
+                 "result")
+
+    def __init__(self, prompt: Sequence[int], params: Any, limit: int, tokenizer: Any) -> None:
+        self.prompt_len = len(prompt)
+        self.limit = limit
+        self.tok = tokenizer
+        self.eos = tokenizer.eos_token_ids
+        self.stops = tuple(s for s in params.stop if s)
+        self.max_stop = max((len(s) for s in self.stops), default=0)
+        self.ids: list[int] = []
+        self.lps: list[float] = []
+        self.checked = 0  # length of the decoded text already searched for stop strings
+        self.result: Generation | None = None
+
+    def push(self, token: int, logprob: float) -> bool:
+        """Append one sampled token; return True (and set ``result``) when the sequence ends."""
+        ids = self.ids
+        ids.append(token)
+        self.lps.append(logprob)
+        if token in self.eos:
+            return self._end(self.tok.decode(ids[:-1]), "stop", True)
+        if self.stops:
+            text = self.tok.decode(ids)
+            lo = max(0, self.checked - self.max_stop + 1)
+            hits = [i for i in (text.find(s, lo) for s in self.stops) if i >= 0]
+            self.checked = len(text)
+            if hits:
+                return self._end(text[:min(hits)], "stop", False)
+        if len(ids) >= self.limit:
+            return self._end(None, "length", False)
+        return False
+
+    def _end(self, text: str | None, reason: str, eos: bool) -> bool:
+        self.result = Generation(
+            text=self.tok.decode(self.ids) if text is None else text,
+            token_ids=self.ids,
+            logprobs=self.lps,
+            prompt_tokens=self.prompt_len,
+            completion_tokens=len(self.ids),
+            finish_reason=reason,
+            ended_with_eos=eos,
+        )
+        return True
+
+
+class HFPolicy(Policy):
+    """A transformers ``AutoModelForCausalLM`` with its tokenizer.
+
+    ``device``: ``"cpu"``, ``"cuda"`` (``"cuda:1"``...) or ``"auto"`` (cuda when available).
+    ``dtype``: ``"auto"`` (bfloat16 on a GPU that supports it, :data:`CPU_DEFAULT_DTYPE` on CPU),
+    ``"float32"``, ``"bfloat16"`` or ``"float16"``. ``gguf_file``: load (dequantised) from a GGUF
+    file inside ``path``.
+    """
+
+    name = "hf"
+    #: prefill a prefix shared by all prompts of a chunk once when it is at least this long
+    min_shared_prefix = 16
+
+    def __init__(
+        self,
+        path: str,
+        device: str = "auto",
+        dtype: str = "auto",
+        max_batch: int = 32,
+        gguf_file: str | None = None,
+        attn_implementation: str | None = None,
+    ) -> None:
+        self._torch = require("torch", "hf")
+        require("transformers", "hf")
+        torch = self._torch
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if dtype == "auto":
+            if self.device.type == "cuda":
+                dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+            else:
+                dtype = _cpu_auto_dtype(torch)
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise PolicyError(f"hf: unknown dtype {dtype!r} (float32, bfloat16, float16 or auto)")
+        self.dtype = getattr(torch, dtype)
+        self.max_batch = int(max_batch)
+        self.attn_implementation = attn_implementation
+        self.path = path
+        self.model, self.tokenizer = self._load(path, gguf_file, load_tokenizer=True)
+        self._gen = torch.Generator(device="cpu")
+        self._gen.seed()
+
+    # --- loading ------------------------------------------------------------------------
+    def _load(self, path: str, gguf_file: str | None, load_tokenizer: bool) -> tuple[Any, Any]:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = os.path.expanduser(str(path))
+        if gguf_file is None and path.endswith(".gguf") and os.path.isfile(path):
+            path, gguf_file = os.path.split(os.path.abspath(path))
+        if _looks_local(path) and not os.path.exists(path):
+            raise PolicyError(f"hf: model path {path!r} does not exist")
+        if gguf_file is not None and not os.path.exists(os.path.join(path, gguf_file)):
+            raise PolicyError(f"hf: GGUF file {os.path.join(path, gguf_file)!r} does not exist")
+        kw: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+        tokenizer = None
+        try:
+            if load_tokenizer:
+                tokenizer = AutoTokenizer.from_pretrained(path, **kw)
+            mkw = dict(kw, dtype=self.dtype)
+            if self.attn_implementation:
+                mkw["attn_implementation"] = self.attn_implementation
+            model = AutoModelForCausalLM.from_pretrained(path, **mkw)
+        except PolicyError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one clear line for any loading failure
+            raise PolicyError(f"hf: cannot load a causal LM from {path!r}: {_first_line(exc)}") from None
+        model.to(self.device).eval()
+        if load_tokenizer:
+            gen_eos = getattr(model.generation_config, "eos_token_id", None)
+            extra = gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]
+            tokenizer = HFChatTokenizer(tokenizer, extra_eos_ids=[i for i in extra if i is not None])
+        self._max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
+        self._vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        return model, tokenizer
+
+    def reload(self, path: str) -> None:
+        """Load new weights from an HF folder (e.g. a training checkpoint); the tokenizer stays."""
+        old_vocab = self.model.get_input_embeddings().weight.shape[0]
+        model, _ = self._load(path, None, load_tokenizer=False)
+        if model.get_input_embeddings().weight.shape[0] != old_vocab:
+            raise PolicyError(f"hf: {path!r} has a different vocabulary size than the loaded model")
+        self.model = model
+        self.path = path
+
+    def close(self) -> None:
+        self.model = None
+
+    # --- generation ---------------------------------------------------------------------
+    def _prompt_ids(self, req: GenRequest) -> list[int]:
+        if req.prompt_ids is not None:
+            ids = list(req.prompt_ids)
+        else:
+            ids = self.tokenizer.encode(self.tokenizer.render(req.messages, add_generation_prompt=True))
+        if not ids:
+            raise PolicyError("hf: empty prompt")
+        if max(ids) >= self._vocab_size or min(ids) < 0:
+            raise PolicyError(f"hf: prompt holds a token id outside the vocabulary ({self._vocab_size})")
+        if len(ids) >= self._max_positions:
+            raise PolicyError(
+                f"hf: prompt of {len(ids)} tokens does not fit the model's {self._max_positions} positions"
+            )
+        return ids
+
+    def generate(self, requests: list[GenRequest]) -> list[list[Generation]]:
+        if self.model is None:
+            raise PolicyError("hf: policy is closed")
+        torch = self._torch
+        out: list[list[Generation | None]] = [[None] * r.params.n for r in requests]
+        if not requests:
+            return []  # type: ignore[return-value]
+        prompts = [self._prompt_ids(r) for r in requests]
+        seed = requests[0].params.seed
+        gen = torch.Generator(device="cpu")
+        if seed is None:
+            gen.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self._gen)))
+        else:
+            gen.manual_seed(int(seed))
+        rows: list[tuple[int, int]] = []
+        for ri in sorted(range(len(requests)), key=lambda i: len(prompts[i])):
+            p = requests[ri].params
+            for si in range(p.n):
+                if p.max_tokens <= 0:
+                    out[ri][si] = Generation("", [], [], len(prompts[ri]), 0, "length", False)
+                else:
+                    rows.append((ri, si))
+        with torch.inference_mode():
+            for start in range(0, len(rows), self.max_batch):
+                chunk = rows[start:start + self.max_batch]
+                for (ri, si), g in zip(chunk, self._run_chunk(chunk, requests, prompts, gen)):
+                    out[ri][si] = g
+        return out  # type: ignore[return-value]
+
+    def _run_chunk(self, chunk: list[tuple[int, int]], requests: list[GenRequest],
+                   prompts: list[list[int]], gen: Any) -> list[Generation]:
+        torch = self._torch
+        dev = self.device
+        tok = self.tokenizer
+        params = [requests[ri].params for ri, _ in chunk]
+        limit = [min(p.max_tokens, self._max_positions - len(prompts[ri]))
+                 for p, (ri, _) in zip(params, chunk)]
+        # distinct prompts of this chunk, each prefilled once
+        uniq: dict[int, int] = {}
+        for ri, _ in chunk:
+            uniq.setdefault(ri, len(uniq))
+        uprompts = [prompts[ri] for ri in uniq]
+        U = len(uprompts)
+        # a prefix all distinct prompts share (the system prompt...) is prefilled once too
+        P = _shared_prefix(uprompts) if U > 1 else 0
+        if P < self.min_shared_prefix:
+            P = 0
+        L = max(len(p) for p in uprompts) - P
+        cache = _make_cache(self.model.config, capacity=P + L + max(limit))
+        pad = tok.pad_token_id
+        if P:
+            head = torch.tensor([uprompts[0][:P]], dtype=torch.long, device=dev)
+            self.model(input_ids=head, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache.batch_select_indices(torch.zeros(U, dtype=torch.long, device=dev))
+        ids = torch.full((U, L), pad, dtype=torch.long)
+        mask = torch.zeros((U, L), dtype=torch.long)
+        for u, p in enumerate(uprompts):
+            ids[u, L - len(p) + P:] = torch.tensor(p[P:], dtype=torch.long)
+            mask[u, L - len(p) + P:] = 1
+        pos = P + (mask.cumsum(-1) - 1).clamp(min=0)
+        mask = torch.cat([torch.ones((U, P), dtype=torch.long), mask], dim=1)
+        ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
+        o = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                       use_cache=True, logits_to_keep=1)
+        logits = o.logits[:, -1, :].float()
+        sel = [uniq[ri] for ri, _ in chunk]
+        if sel != list(range(U)):
+            idx = torch.tensor(sel, device=dev)
+            cache.batch_select_indices(idx)
+            logits, mask = logits[idx], mask[idx]
+        B = len(chunk)
+        next_pos = torch.tensor([len(prompts[ri]) for ri, _ in chunk], device=dev)
+
+        temps = torch.tensor([max(p.temperature, 0.0) for p in params], device=dev)
+        top_ps = torch.tensor([p.top_p if 0.0 < p.top_p < 1.0 else 1.0 for p in params], device=dev)
+        rows = [Row(prompts[ri], p, lim, tok) for (ri, _), p, lim in zip(chunk, params, limit)]
+        active = list(range(B))  # chunk row of each batch row; finished rows stay until compaction
+        n_live = B
+
+        while True:
+            tokens, lps = self._sample(logits, temps, top_ps, gen)
+            t_list, lp_list = tokens.tolist(), lps.tolist()
+            for j, b in enumerate(active):
+                if rows[b].result is None and rows[b].push(t_list[j], lp_list[j]):
+                    n_live -= 1
+            if n_live == 0:
+                break
+            # drop finished rows (a KV copy) once they are a quarter of the batch
+            if len(active) - n_live >= max(1, len(active) // 4):
+                keep = [j for j, b in enumerate(active) if rows[b].result is None]
+                kidx = torch.tensor(keep, device=dev)
+                cache.batch_select_indices(kidx)
+                mask, next_pos, tokens = mask[kidx], next_pos[kidx], tokens[kidx]
+                temps, top_ps = temps[kidx], top_ps[kidx]
+                active = [active[j] for j in keep]
+            mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
+            o = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                           past_key_values=cache, use_cache=True)
+            next_pos = (next_pos + 1).clamp(max=self._max_positions - 1)
+            logits = o.logits[:, -1, :].float()
+        return [r.result for r in rows]  # type: ignore[misc]
+
+    def _sample(self, logits: Any, temps: Any, top_ps: Any, gen: Any) -> tuple[Any, Any]:
+        """Pick one token per row; return it and its raw (temperature-1, unfiltered) logprob."""
+        torch = self._torch
+        logp = torch.log_softmax(logits, dim=-1)
+        greedy = temps <= 0
+        tokens = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
+            probs = torch.softmax(scaled, dim=-1)
+            order = None
+            if bool((top_ps < 1.0).any()):
+                probs, order = probs.sort(dim=-1, descending=True)
+                cum = probs.cumsum(dim=-1)
+                probs = probs.masked_fill(cum - probs > top_ps[:, None], 0.0)
+            # inverse-CDF sampling (torch.multinomial is ~20 ms for 32 x 49k rows on CPU)
+            cum = probs.cumsum(dim=-1)
+            u = torch.rand((probs.shape[0], 1), generator=gen).to(probs.device) * cum[:, -1:]
+            choice = torch.searchsorted(cum, u, right=True).clamp(max=probs.shape[-1] - 1)
+            sampled = (order.gather(1, choice) if order is not None else choice).squeeze(1)
+            tokens = torch.where(greedy, tokens, sampled)
+        return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _make_cache(config: Any, capacity: int) -> Any:
+    """A KV cache whose layers append into preallocated buffers.
+
+    transformers' ``DynamicLayer`` grows by ``torch.cat`` at every step, which copies the whole
+    cache each time (most of a CPU decode step at batch 32); here a step writes one column."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    cls = _prealloc_layer_class(DynamicLayer)
+    cache = DynamicCache(config=config)
+    if all(type(layer) is DynamicLayer for layer in cache.layers) and cache.layers:
+        cache.layers = [cls(capacity) for _ in cache.layers]
+    return cache
+
+
+_PREALLOC: dict[type, type] = {}
+
+
+def _prealloc_layer_class(base: type) -> type:
+    if base in _PREALLOC:
+        return _PREALLOC[base]
+
+    class PreallocLayer(base):  # type: ignore[misc, valid-type]
+        def __init__(self, capacity: int) -> None:
+            super().__init__()
+            self.capacity = capacity
+            self._k = self._v = None
+            self._n = 0
+
+        def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> Any:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            n, t = self._n, key_states.shape[-2]
+            if self._k is None or n + t > self._k.shape[-2]:
+                cap = max(self.capacity, 2 * (n + t))
+                shape = (*key_states.shape[:-2], cap, key_states.shape[-1])
+                k, v = key_states.new_empty(shape), value_states.new_empty(shape)
+                if n:
+                    k[..., :n, :] = self._k[..., :n, :]
+                    v[..., :n, :] = self._v[..., :n, :]
+                self._k, self._v = k, v
+            self._k[..., n:n + t, :] = key_states
+            self._v[..., n:n + t, :] = value_states
+            self._n = n + t
+            self.keys, self.values = self._k[..., :self._n, :], self._v[..., :self._n, :]
+            return self.keys, self.values
+
+        def batch_select_indices(self, indices: Any) -> None:
+            if self._k is not None:
+                self._k = self._k[indices, ...]
+                self._v = self._v[indices, ...]
+                self.keys, self.values = self._k[..., :self._n, :], self._v[..., :self._n, :]
+
+    _PREALLOC[base] = PreallocLayer
+    return PreallocLayer
+
+
+
+def _shared_prefix(prompts: list[list[int]]) -> int:
+    """Length of the longest prefix all ``prompts`` share, leaving each at least one token."""
+    first = prompts[0]
+    n = min(len(p) for p in prompts) - 1
+    for p in prompts[1:]:
+        while n > 0 and p[:n] != first[:n]:
+            n = next((i for i in range(n) if p[i] != first[i]), n)
+    return max(n, 0)
+
+
+def _split_options(arg: str) -> tuple[str, dict[str, Any]]:
+    """``PATH`` or ``PATH:key=value,...`` -> (path, options)."""
+    from ..specs import parse_kv
+
+    head, sep, tail = arg.rpartition(":")
+    if sep and "=" in tail and not os.path.exists(arg):
+        return head, parse_kv(tail, "hf options")
+    return arg, {}
+
+
+@register_policy("hf")
+def _make_hf(arg: str) -> Policy:
+    path, opts = _split_options(arg)
+    if not path:
+        raise PolicyError("hf: give a model folder, e.g. hf:/path/to/model")
+    return HFPolicy(path, **opts)

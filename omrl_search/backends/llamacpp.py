@@ -1,0 +1,486 @@
+"""The ``llamacpp`` backend: a GGUF model in-process through llama-cpp-python's low-level API.
+
+Spec: ``llamacpp:FILE.gguf``, optionally followed by ``:key=value,...`` options, e.g.
+``llamacpp:/models/smol.gguf:max_batch=4,n_ctx=2048``.
+
+How it runs:
+
+* the context holds ``max_batch`` sequences, each in its own KV stream of ``n_ctx`` cells
+  (``kv_unified=False``: in a unified cache every token attends over all sequences' cells, which
+  made batched decoding 2-4x slower here);
+* the KV cache is kept between calls, with the exact token ids each stream holds. A new prompt
+  starts from the stream that shares its longest prefix (taken over in place, or copied) and only
+  the rest is evaluated: ``n`` samples of one prompt evaluate it once, and the engine's next turn
+  (prompt + completion + observation) evaluates only the new tokens;
+* flash attention is on by default: without it, decoding with ``n_ctx``-cell streams was 10-50x
+  slower on the development VM;
+* all live sequences decode together, one ``llama_decode`` per step; sampling is done here from
+  the raw logits (temperature, top-p, seeded numpy generator), and the logprob recorded is the
+  raw ``log_softmax`` of the chosen token.
+
+The tokenizer is llama.cpp's own (``parse_special`` so chat markers become their ids, no BOS
+added) and the chat template is the GGUF's ``tokenizer.chat_template`` rendered with jinja2, so the
+ids are exactly the ones the model was trained with.
+
+``extra_bufts`` is off by default: llama.cpp's AMX kernels (picked for Q4_1 weights on CPUs with
+AMX, like the development VM) crash with a segfault in ``ggml_backend_amx_mul_mat`` here.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from typing import Any, Sequence
+
+from ..policy import Policy, PolicyError, register_policy, require
+from ..types import GenRequest, Generation
+from .hf import Row, _split_options
+from .hf_tokenizer import CHATML_TEMPLATE, compile_chat_template
+
+_BACKEND_READY = False
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+class LlamaCppTokenizer:
+    """llama.cpp's tokenizer for a loaded model, as a ChatTokenizer."""
+
+    def __init__(self, ll: Any, model: Any) -> None:
+        self._ll = ll
+        self._vocab = ll.llama_model_get_vocab(model)
+        self.n_vocab = int(ll.llama_vocab_n_tokens(self._vocab))
+        self.eos_token_ids = frozenset(
+            i for i in range(self.n_vocab) if ll.llama_vocab_is_eog(self._vocab, i)
+        )
+        self._pieces: dict[int, bytes] = {}
+        raw = ll.llama_model_chat_template(model, None)
+        self.chat_template = raw.decode("utf-8") if raw else CHATML_TEMPLATE
+        self._template = compile_chat_template(self.chat_template)
+        bos, eos = ll.llama_vocab_bos(self._vocab), ll.llama_vocab_eos(self._vocab)
+        self._bos_text = self.decode([bos]) if 0 <= bos < self.n_vocab else ""
+        self._eos_text = self.decode([eos]) if 0 <= eos < self.n_vocab else ""
+
+    def encode(self, text: str) -> list[int]:
+        data = text.encode("utf-8")
+        size = len(data) + 8
+        for _ in range(2):
+            buf = (self._ll.llama_token * size)()
+            n = self._ll.llama_tokenize(self._vocab, data, len(data), buf, size, False, True)
+            if n >= 0:
+                return list(buf[:n])
+            size = -n
+        raise PolicyError("llamacpp: tokenization failed")
+
+    def _piece(self, token: int) -> bytes:
+        piece = self._pieces.get(token)
+        if piece is None:
+            buf = ctypes.create_string_buffer(64)
+            n = self._ll.llama_token_to_piece(self._vocab, token, buf, 64, 0, True)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = self._ll.llama_token_to_piece(self._vocab, token, buf, -n, 0, True)
+            piece = self._pieces[token] = buf.raw[:max(n, 0)]
+        return piece
+
+    def decode(self, ids: Sequence[int]) -> str:
+        piece = self._piece
+        return b"".join([piece(int(t)) for t in ids]).decode("utf-8", errors="replace")
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self._bos_text,
+            eos_token=self._eos_text,
+        )
+
+
+class LlamaCppPolicy(Policy):
+    """A GGUF model run by llama.cpp (CPU by default; ``n_gpu_layers`` for a GPU build).
+
+    ``n_ctx``: the most tokens (prompt + completion) one sequence may hold (capped at the model's
+    training context). ``max_batch``: sequences decoded together; the KV cache holds
+    ``n_ctx * max_batch`` cells (about 23 KB each for SmolLM2-135M). ``seed``: the sampling
+    generator used when a request gives no seed.
+    """
+
+    name = "llamacpp"
+    #: evaluate a prefix shared by all prompts of a chunk once (then copy the KV stream) when it
+    #: is at least this long
+    min_shared_prefix = 16
+
+    def __init__(
+        self,
+        model_path: str,
+        n_ctx: int = 4096,
+        n_threads: int | None = None,
+        n_batch: int = 512,
+        seed: int = 0,
+        max_batch: int = 8,
+        n_gpu_layers: int = 0,
+        flash_attn: bool = True,
+        extra_bufts: bool = False,
+        verbose: bool = False,
+    ) -> None:
+        self._ll = require("llama_cpp", "llamacpp")
+        self._np = require("numpy", "llamacpp")
+        logging.getLogger("llama-cpp-python").setLevel(logging.DEBUG if verbose else logging.ERROR)
+        self.n_ctx_req = int(n_ctx)
+        self.n_threads = int(n_threads or _cpu_count())
+        self.n_batch = max(1, int(n_batch))
+        self.max_batch = max(1, int(max_batch))
+        self.n_gpu_layers = int(n_gpu_layers)
+        self.flash_attn = bool(flash_attn)
+        self.extra_bufts = bool(extra_bufts)
+        self._rng = self._np.random.default_rng(seed)
+        self._model = self._ctx = self._batch = None
+        self._load(model_path)
+
+    # --- loading ------------------------------------------------------------------------
+    def _load(self, model_path: str) -> None:
+        global _BACKEND_READY
+        ll = self._ll
+        path = os.path.expanduser(str(model_path))
+        if not os.path.isfile(path):
+            raise PolicyError(f"llamacpp: model file {path!r} does not exist")
+        if not _BACKEND_READY:
+            ll.llama_backend_init()
+            _BACKEND_READY = True
+        mp = ll.llama_model_default_params()
+        mp.n_gpu_layers = self.n_gpu_layers
+        if hasattr(mp, "use_extra_bufts"):
+            mp.use_extra_bufts = self.extra_bufts
+        model = ll.llama_model_load_from_file(path.encode(), mp)
+        if not model:
+            raise PolicyError(f"llamacpp: cannot load a GGUF model from {path!r}")
+        n_train = int(ll.llama_model_n_ctx_train(model)) or self.n_ctx_req
+        n_ctx = min(self.n_ctx_req, n_train)
+        cp = ll.llama_context_default_params()
+        cp.n_ctx = n_ctx * self.max_batch
+        cp.n_batch = self.n_batch
+        cp.n_ubatch = min(self.n_batch, 512)
+        cp.n_seq_max = self.max_batch
+        cp.n_threads = cp.n_threads_batch = self.n_threads
+        cp.kv_unified = False
+        cp.flash_attn_type = (ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if self.flash_attn
+                              else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        cp.no_perf = True
+        ctx = ll.llama_init_from_model(model, cp)
+        if not ctx:
+            ll.llama_model_free(model)
+            raise PolicyError(f"llamacpp: cannot create a context for {path!r} "
+                              f"(n_ctx={n_ctx} x max_batch={self.max_batch})")
+        self.close()
+        self._model, self._ctx = model, ctx
+        self._mem = ll.llama_get_memory(ctx)
+        self._batch = ll.llama_batch_init(self.n_batch, 0, 1)
+        self.n_ctx = int(ll.llama_n_ctx_seq(ctx)) if hasattr(ll, "llama_n_ctx_seq") else n_ctx
+        self.n_ctx = min(self.n_ctx, n_ctx)
+        self.tokenizer = LlamaCppTokenizer(ll, model)
+        self.n_vocab = self.tokenizer.n_vocab
+        self.model_path = path
+        self._kv: list[list[int]] = [[] for _ in range(self.max_batch)]  # ids each stream holds
+
+    def reload(self, path: str) -> None:
+        """Load another GGUF file (e.g. after training and converting); same vocabulary expected."""
+        old_vocab = self.n_vocab
+        self._load(path)
+        if self.n_vocab != old_vocab:
+            raise PolicyError(f"llamacpp: {path!r} has a different vocabulary size than the loaded model")
+
+    def close(self) -> None:
+        ll = self._ll
+        if self._batch is not None:
+            ll.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx is not None:
+            ll.llama_free(self._ctx)
+            self._ctx = None
+        if self._model is not None:
+            ll.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+    # --- generation ---------------------------------------------------------------------
+    def _prompt_ids(self, req: GenRequest) -> list[int]:
+        if req.prompt_ids is not None:
+            ids = [int(i) for i in req.prompt_ids]
+        else:
+            ids = self.tokenizer.encode(self.tokenizer.render(req.messages, add_generation_prompt=True))
+        if not ids:
+            raise PolicyError("llamacpp: empty prompt")
+        if len(ids) >= self.n_ctx:
+            raise PolicyError(f"llamacpp: prompt of {len(ids)} tokens does not fit n_ctx={self.n_ctx}")
+        bad = [i for i in ids if not 0 <= i < self.n_vocab]
+        if bad:
+            raise PolicyError(f"llamacpp: prompt holds token id {bad[0]} outside the vocabulary")
+        return ids
+
+    def generate(self, requests: list[GenRequest]) -> list[list[Generation]]:
+        if self._ctx is None:
+            raise PolicyError("llamacpp: policy is closed")
+        np = self._np
+        out: list[list[Generation | None]] = [[None] * r.params.n for r in requests]
+        if not requests:
+            return []
+        prompts = [self._prompt_ids(r) for r in requests]
+        seed = requests[0].params.seed
+        rng = np.random.default_rng(int(self._rng.integers(2**63)) if seed is None else int(seed))
+        rows: list[tuple[int, int]] = []
+        # lexicographic order puts prompts that share prefixes in the same chunk
+        for ri in sorted(range(len(requests)), key=lambda i: prompts[i]):
+            p = requests[ri].params
+            for si in range(p.n):
+                if p.max_tokens <= 0:
+                    out[ri][si] = Generation("", [], [], len(prompts[ri]), 0, "length", False)
+                else:
+                    rows.append((ri, si))
+        for start in range(0, len(rows), self.max_batch):
+            chunk = rows[start:start + self.max_batch]
+            try:
+                gens = self._run_chunk(chunk, requests, prompts, rng)
+            except BaseException:
+                self._reset_kv()  # the streams' contents are unknown now
+                raise
+            for (ri, si), g in zip(chunk, gens):
+                out[ri][si] = g
+        return out  # type: ignore[return-value]
+
+    def _reset_kv(self) -> None:
+        self._ll.llama_memory_clear(self._mem, True)
+        self._kv = [[] for _ in range(self.max_batch)]
+
+    def _plan(self, chunk: list[tuple[int, int]], prompts: list[list[int]]) -> tuple[dict, dict, list]:
+        """Give each row a stream. Returns (leader stream of each request, {stream: (source
+        stream or None, reused prefix length)} for leaders, [(follower stream, ri)])."""
+        kv = self._kv
+        order: list[int] = []
+        for ri, _ in chunk:
+            if ri not in order:
+                order.append(ri)
+        best: dict[int, tuple[int, int]] = {}  # ri -> (reusable prefix length, source stream)
+        for ri in order:
+            p = prompts[ri]
+            cap = len(p) - 1  # the last prompt token is always evaluated, for its logits
+            top = (0, -1)
+            for s, held in enumerate(kv):
+                n = _common_prefix(p, held, cap)
+                if n > top[0]:
+                    top = (n, s)
+            best[ri] = top
+        claimed: dict[int, int] = {}  # stream -> ri taking it over in place
+        for ri in sorted(order, key=lambda r: -best[r][0]):
+            n, s = best[ri]
+            if n > 0 and s not in claimed:
+                claimed[s] = ri
+        free = [s for s in range(len(kv)) if s not in claimed]
+        # streams that nobody reuses go last, so later calls may still find their contents
+        free.sort(key=lambda s: len(kv[s]) > 0)
+        leader: dict[int, int] = {ri: s for s, ri in claimed.items()}
+        plan: dict[int, tuple[int | None, int]] = {s: (None, best[ri][0]) for s, ri in claimed.items()}
+        for ri in order:
+            if ri not in leader:
+                s = free.pop(0)
+                leader[ri] = s
+                n, src = best[ri]
+                plan[s] = (src if n > 0 else None, n)
+        followers: list[tuple[int, int]] = []
+        seen: set[int] = set()
+        for ri, _ in chunk:
+            if ri in seen:
+                followers.append((free.pop(0), ri))
+            seen.add(ri)
+        return leader, plan, followers
+
+    def _run_chunk(self, chunk: list[tuple[int, int]], requests: list[GenRequest],
+                   prompts: list[list[int]], rng: Any) -> list[Generation]:
+        ll, np = self._ll, self._np
+        mem, kv = self._mem, self._kv
+        leader, plan, followers = self._plan(chunk, prompts)
+        # 1. copies first (they read the source streams as they are now), then truncations
+        for s, (src, n) in plan.items():
+            if src is not None and src != s:
+                ll.llama_memory_seq_cp(mem, src, s, -1, -1)
+                kv[s] = list(kv[src])
+        for s, (_, n) in plan.items():
+            ll.llama_memory_seq_rm(mem, s, n if n > 0 else -1, -1)
+            del kv[s][n:]
+        for s, _ in followers:
+            ll.llama_memory_seq_rm(mem, s, -1, -1)
+            kv[s] = []
+        # 2. a prefix all distinct prompts share (the system prompt...) is evaluated in one
+        #    stream and copied to the others
+        P = _shared_prefix([prompts[ri] for ri in leader]) if len(leader) > 1 else 0
+        if P >= self.min_shared_prefix:
+            root_ri = max(leader, key=lambda r: len(kv[leader[r]]))
+            root = leader[root_ri]
+            if len(kv[root]) < P:
+                have = len(kv[root])
+                self._evaluate([(root, pos, prompts[root_ri][pos], None) for pos in range(have, P)])
+                kv[root] = list(prompts[root_ri][:P])
+            for ri, st in leader.items():
+                if st != root and len(kv[st]) < P:
+                    ll.llama_memory_seq_cp(mem, root, st, -1, -1)
+                    ll.llama_memory_seq_rm(mem, st, P, -1)
+                    kv[st] = list(prompts[ri][:P])
+        # 3. evaluate the rest of each distinct prompt, keeping the logits of its last token
+        pending: list[tuple[int, int, int, Any]] = []
+        for ri, st in leader.items():
+            p = prompts[ri]
+            pending.extend((st, pos, p[pos], ri if pos == len(p) - 1 else None)
+                           for pos in range(len(kv[st]), len(p)))
+        first_logits = self._evaluate(pending)
+        for ri, st in leader.items():
+            kv[st] = list(prompts[ri])
+        # 4. other samples of a prompt start from a copy of its leader's stream
+        for s, ri in followers:
+            ll.llama_memory_seq_cp(mem, leader[ri], s, -1, -1)
+            kv[s] = list(prompts[ri])
+
+        # 5. decode all rows together
+        stream_of: list[int] = []
+        taken: set[int] = set()
+        fol = iter(followers)
+        for ri, _ in chunk:
+            if ri not in taken:
+                stream_of.append(leader[ri])
+                taken.add(ri)
+            else:
+                stream_of.append(next(fol)[0])
+        params = [requests[ri].params for ri, _ in chunk]
+        rows = [Row(prompts[ri], p, min(p.max_tokens, self.n_ctx - len(prompts[ri])), self.tokenizer)
+                for (ri, _), p in zip(chunk, params)]
+        live = list(range(len(chunk)))
+        logits = np.stack([first_logits[ri] for ri, _ in chunk])
+        while live:
+            tokens, lps = _sample(np, logits, [params[b] for b in live], rng)
+            still = []
+            for j, b in enumerate(live):
+                if not rows[b].push(int(tokens[j]), float(lps[j])):
+                    still.append((b, int(tokens[j])))
+            if not still:
+                break
+            for j, (b, t) in enumerate(still):
+                s = stream_of[b]
+                self._set(j, t, len(kv[s]), s, True)
+                kv[s].append(t)
+            self._decode(len(still))
+            logits = self._logits(range(len(still)))
+            live = [b for b, _ in still]
+        return [r.result for r in rows]  # type: ignore[misc]
+
+    def _evaluate(self, tokens: list[tuple[int, int, int, Any]]) -> dict[Any, Any]:
+        """Evaluate ``(stream, position, token, key)`` in batches of ``n_batch``; return the
+        logits of the tokens whose key is not None, by key."""
+        out: dict[Any, Any] = {}
+        for i in range(0, len(tokens), self.n_batch):
+            part = tokens[i:i + self.n_batch]
+            want = []
+            for j, (st, pos, t, key) in enumerate(part):
+                self._set(j, t, pos, st, key is not None)
+                if key is not None:
+                    want.append((key, j))
+            self._decode(len(part))
+            if want:
+                rows = self._logits([j for _, j in want])
+                for (key, _), row in zip(want, rows):
+                    out[key] = row
+        return out
+
+    def _set(self, i: int, token: int, pos: int, seq: int, logits: bool) -> None:
+        b = self._batch
+        b.token[i] = token
+        b.pos[i] = pos
+        b.n_seq_id[i] = 1
+        b.seq_id[i][0] = seq
+        b.logits[i] = logits
+
+    def _decode(self, n: int) -> None:
+        self._batch.n_tokens = n
+        rc = self._ll.llama_decode(self._ctx, self._batch)
+        if rc != 0:
+            raise PolicyError(f"llamacpp: llama_decode failed (code {rc})")
+
+    def _logits(self, idx: Any) -> Any:
+        np, ll, V = self._np, self._ll, self.n_vocab
+        return np.stack([np.ctypeslib.as_array(ll.llama_get_logits_ith(self._ctx, i), shape=(V,))
+                         for i in idx])
+
+
+def _shared_prefix(prompts: list[list[int]]) -> int:
+    """Length of the longest prefix all ``prompts`` share, leaving each at least one token."""
+    n = min(len(p) for p in prompts) - 1
+    first = prompts[0]
+    for p in prompts[1:]:
+        n = _common_prefix(first, p, n)
+    return max(n, 0)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], cap: int) -> int:
+    n = min(len(a), len(b), cap)
+    if n <= 0:
+        return 0
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _sample(np: Any, logits: Any, params: list[Any], rng: Any) -> tuple[Any, Any]:
+    """One token per row (temperature 0 = greedy; else temperature + top-p); returns the tokens
+    and their raw log-probabilities (``log_softmax`` of the unscaled logits)."""
+    z = logits - logits.max(axis=1, keepdims=True)
+    lse = np.log(np.exp(z).sum(axis=1))
+    tokens = np.empty(len(params), dtype=np.int64)
+    for b, p in enumerate(params):
+        row = z[b]
+        if p.temperature <= 0:
+            tokens[b] = int(row.argmax())
+            continue
+        w = np.exp(row / p.temperature)
+        cand = None
+        if 0.0 < p.top_p < 1.0:
+            total = w.sum()
+            k = min(len(w) - 1, 512)
+            cand = np.argpartition(-w, k)[:k]
+            cand = cand[np.argsort(-w[cand], kind="stable")]
+            cw = np.cumsum(w[cand])
+            if cw[-1] < p.top_p * total:  # the nucleus is wider than 512 tokens
+                cand = np.argsort(-w, kind="stable")
+                cw = np.cumsum(w[cand])
+            keep = int(np.searchsorted(cw, p.top_p * total, side="left")) + 1
+            cand, cw = cand[:keep], cw[:keep]
+        else:
+            cw = np.cumsum(w)
+        i = int(np.searchsorted(cw, rng.random() * cw[-1], side="right"))
+        i = min(i, len(cw) - 1)
+        tokens[b] = int(cand[i]) if cand is not None else i
+    lps = z[np.arange(len(params)), tokens] - lse
+    return tokens, lps
+
+
+@register_policy("llamacpp")
+def _make_llamacpp(arg: str) -> Policy:
+    path, opts = _split_options(arg)
+    if not path:
+        raise PolicyError("llamacpp: give a GGUF file, e.g. llamacpp:/path/to/model.gguf")
+    try:
+        return LlamaCppPolicy(path, **opts)
+    except TypeError as exc:
+        raise PolicyError(f"llamacpp: {exc}") from None

