@@ -17,13 +17,14 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# A real search with the bundled SmolLM2-135M: ReAct versus best-of-N on a few test tasks.
 demo: install
-	$(BIN)/omrl search --env game24 --split test --limit 6 --policy smollm2 \
-	    --strategy react --strategy best_of_n:n=4 --budget tokens=20000 --seed 0 \
-	    --max-tokens 48 --out runs/demo/game24
-	$(BIN)/omrl search --env countdown --split test --limit 6 --policy smollm2 \
-	    --strategy react --strategy best_of_n:n=4 --budget tokens=20000 --seed 0 \
-	    --max-tokens 48 --out runs/demo/countdown
+	$(BIN)/omrl search --env game24 --split test --limit 3 --policy smollm2 \
+	    --strategy react --strategy best_of_n:n=3 --budget tokens=6000 --seed 0 \
+	    --max-tokens 40 --max-depth 4 --out runs/demo/game24
+	$(BIN)/omrl search --env countdown --split test --limit 3 --policy smollm2 \
+	    --strategy react --strategy best_of_n:n=3 --budget tokens=6000 --seed 0 \
+	    --max-tokens 40 --max-depth 4 --out runs/demo/countdown
 
 test: install
 	$(BIN)/python -m pytest -q
