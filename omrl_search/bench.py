@@ -15,9 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .api import load_tasks, search_many, summarize
+from .api import search_many, summarize
 from .budget import KINDS, Budget
-from .env import env_class
 from .policy import make_policy
 from .result import write_results
 from .reward import make_reward_model
@@ -82,18 +81,10 @@ def parse_budgets(text: str) -> tuple[str, list[float]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .cli import UsageError, format_table
+    from .cli import UsageError, format_table, tasks_from_args
 
     # --- validate everything first -------------------------------------------------------------
-    try:
-        env_class(args.env)
-    except KeyError as exc:
-        raise UsageError(exc.args[0]) from None
-    if args.limit is not None and args.limit < 1:
-        raise UsageError(f"--limit must be >= 1, got {args.limit}")
-    tasks = load_tasks(args.env, args.split, args.limit, args.file)
-    if not tasks:
-        raise UsageError(f"env {args.env!r} has no tasks in split {args.split!r}")
+    tasks = tasks_from_args(args)
     strategies = [make_strategy(s) for s in split_strategies(args.strategies)]
     kind, limits = parse_budgets(args.budgets)
     reward_model = make_reward_model(args.reward_model)

@@ -95,7 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-def _search(args: argparse.Namespace) -> int:
+def tasks_from_args(args: argparse.Namespace) -> list:
+    """The tasks named by ``--env/--split/--limit/--file``, validated (shared by sub-commands)."""
     try:
         env_class(args.env)
     except KeyError as exc:
@@ -105,6 +106,11 @@ def _search(args: argparse.Namespace) -> int:
     tasks = load_tasks(args.env, args.split, args.limit, args.file)
     if not tasks:
         raise UsageError(f"env {args.env!r} has no tasks in split {args.split!r}")
+    return tasks
+
+
+def _search(args: argparse.Namespace) -> int:
+    tasks = tasks_from_args(args)
     strategies = [make_strategy(s) for s in (args.strategy or ["react"])]
     budget = Budget.parse(args.budget)
     reward_model = make_reward_model(args.reward_model)
