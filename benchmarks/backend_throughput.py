@@ -1,0 +1,192 @@
+"""Generated tokens per second of the bundled model's backends under the engine's batched load.
+
+Workload: ReAct-style chat prompts of ~200 tokens (a shared system prompt with the format and one
+worked example, then a task and an observation that differ per prompt), temperature 0.7,
+max_tokens 64, seeded. Scenarios (one ``generate`` call each, like one engine round):
+
+* ``b1``     1 prompt, n=1            * ``b8``   8 prompts, n=1        * ``b32``  32 prompts, n=1
+* ``b8n4``   8 prompts, n=4 (32 sequences: best-of-N / expansion of 8 nodes by 4 children)
+* ``turn2``  16 prompts, then the second turn of each (prompt + its completion + an
+  observation): what a ReAct rollout does every round; both calls are timed.
+
+Backends: ``hf`` (transformers on the HF folder converted from the GGUF) in bfloat16 and in
+float32, and ``llamacpp`` (llama.cpp on the Q4_1 GGUF itself). Every backend runs each scenario
+``--reps`` times, interleaved, in one process; the best repetition counts (ratios hold on a noisy
+machine, the best time is the least disturbed one). llama.cpp's KV cache is cleared before each
+repetition so that no repetition reuses the previous one's prompts.
+
+Two figures per cell: generated tokens per wall-clock second with ``--threads`` threads (default:
+all CPUs), and generated tokens per CPU-second of the process. On a shared, busy machine the
+wall figure is distorted (llama.cpp's spinning OpenMP threads suffer most from oversubscription);
+run with ``--threads 1`` there: one thread neither spins nor competes with itself, so tokens per
+CPU-second measure the work each backend does per token, whatever the load.
+
+Run: ``python benchmarks/backend_throughput.py [--reps 2] [--threads 1] [--scenarios b1,b8,...]``.
+Prints a table, then as its last line one JSON object with every figure.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from omrl_search.types import GenRequest, SamplingParams  # noqa: E402
+
+SYSTEM = (
+    "You are an agent in a text-based household environment. At each step, first think about "
+    "what to do, then act. Answer in exactly this format:\n"
+    "Think: <your reasoning>\n"
+    "Act: <one action>\n"
+    "Valid actions: look, inventory, go to <place>, take <object> from <place>, "
+    "put <object> in/on <place>, open <place>, close <place>, use <object>.\n"
+    "Example:\n"
+    "Task: put a clean mug on the desk.\n"
+    "Observation: You are in the kitchen. You see a sink 1, a countertop 1 and a cabinet 1.\n"
+    "Think: A mug is usually on the countertop. I should go there first.\n"
+    "Act: go to countertop 1\n"
+)
+OBJECTS = ["apple", "mug", "key", "book", "knife", "towel", "lamp", "pen"]
+PLACES = ["table 1", "drawer 2", "shelf 3", "fridge 1", "desk 1", "sofa 1", "bed 1", "cabinet 4"]
+
+
+def prompt(i: int) -> list[dict[str, str]]:
+    obj, place = OBJECTS[i % len(OBJECTS)], PLACES[(i * 3) % len(PLACES)]
+    other = PLACES[(i * 5 + 1) % len(PLACES)]
+    return [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": (
+            f"Task {i}: find the {obj} and put it on the {place}.\n"
+            f"Observation: You are in room {i}. You see a {other}, a {place} and a closed door. "
+            f"Your hands are empty."
+        )},
+    ]
+
+
+def params(n: int, seed: int) -> SamplingParams:
+    return SamplingParams(temperature=0.7, top_p=1.0, max_tokens=64, n=n, seed=seed)
+
+
+def requests(policy, count: int, n: int, seed: int) -> list[GenRequest]:
+    tok = policy.tokenizer
+    out = []
+    for i in range(count):
+        msgs = prompt(i)
+        out.append(GenRequest(msgs, params(n, seed), tok.encode(tok.render(msgs, True))))
+    return out
+
+
+def run_scenario(policy, name: str, seed: int) -> tuple[int, int, float, float]:
+    """Returns (generated tokens, prompt tokens, wall seconds, CPU seconds) for one repetition."""
+    counts = {"b1": (1, 1), "b8": (8, 1), "b32": (32, 1), "b8n4": (8, 4), "turn2": (16, 1)}
+    count, n = counts[name]
+    reqs = requests(policy, count, n, seed)
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = policy.generate(reqs)
+    gen = sum(g.completion_tokens for gs in out for g in gs)
+    ptok = sum(g.prompt_tokens for gs in out for g in gs)
+    if name == "turn2":
+        tok = policy.tokenizer
+        obs = tok.encode("<|im_end|>\n<|im_start|>user\nObservation: Nothing happens. You see a "
+                         "door.<|im_end|>\n<|im_start|>assistant\n")
+        nxt = []
+        for r, gs in zip(reqs, out):
+            g = gs[0]
+            ids = g.token_ids[:-1] if g.ended_with_eos else g.token_ids
+            nxt.append(GenRequest(r.messages, params(1, seed + 1), r.prompt_ids + ids + obs))
+        out2 = policy.generate(nxt)
+        gen += sum(g.completion_tokens for gs in out2 for g in gs)
+        ptok += sum(g.prompt_tokens for gs in out2 for g in gs)
+    return gen, ptok, time.perf_counter() - t0, time.process_time() - c0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--scenarios", default="b1,b8,b32,b8n4,turn2")
+    ap.add_argument("--backends", default="hf-bf16,hf-fp32,llamacpp")
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    args = ap.parse_args()
+    scenarios = args.scenarios.split(",")
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+
+    from omrl_search.backends import smollm2
+    from omrl_search.backends.hf import HFPolicy
+
+    policies = {}
+    for b in args.backends.split(","):
+        t0 = time.perf_counter()
+        if b == "hf-bf16":
+            policies[b] = HFPolicy(smollm2.hf_folder(), device="cpu", dtype="bfloat16")
+        elif b == "hf-fp32":
+            policies[b] = HFPolicy(smollm2.hf_folder(), device="cpu", dtype="float32")
+        elif b == "llamacpp":
+            from omrl_search.backends.llamacpp import LlamaCppPolicy
+
+            policies[b] = LlamaCppPolicy(smollm2.gguf_path(), n_threads=args.threads)
+        else:
+            raise SystemExit(f"unknown backend {b}")
+        print(f"loaded {b} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    for p in policies.values():  # warm-up
+        p.generate(requests(p, 2, 1, 0)[:2])
+
+    load0 = os.getloadavg()[0]
+    best: dict[tuple[str, str], tuple[int, int, float, float]] = {}
+    best_cpu: dict[tuple[str, str], float] = {}  # best generated tokens per CPU-second
+    for sc in scenarios:
+        for rep in range(args.reps):
+            for b, p in policies.items():
+                if hasattr(p, "_reset_kv"):
+                    p._reset_kv()
+                r = run_scenario(p, sc, seed=rep)
+                key = (sc, b)
+                if key not in best or r[0] / r[2] > best[key][0] / best[key][2]:
+                    best[key] = r
+                best_cpu[key] = max(best_cpu.get(key, 0.0), r[0] / max(r[3], 1e-9))
+                print(f"  {sc:6s} rep {rep} {b:9s} {r[0]:5d} tok {r[2]:7.2f}s {r[0] / r[2]:7.1f} tok/s "
+                      f"{r[0] / max(r[3], 1e-9):7.1f} tok/CPU-s", file=sys.stderr)
+    load1 = os.getloadavg()[0]
+
+    import llama_cpp
+    import transformers
+
+    machine = {
+        "cpus": len(os.sched_getaffinity(0)),
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "transformers": transformers.__version__,
+        "llama_cpp_python": llama_cpp.__version__,
+        "loadavg_start": round(load0, 2),
+        "loadavg_end": round(load1, 2),
+    }
+    names = list(policies)
+    print(f"\nSmolLM2-135M-Instruct, generated tokens per second, best of {args.reps} "
+          f"(wall with {args.threads} thread(s) | per CPU-second); {machine['cpus']} CPUs, "
+          f"load {machine['loadavg_start']}->{machine['loadavg_end']}, torch {machine['torch']}, "
+          f"llama-cpp-python {machine['llama_cpp_python']}")
+    print(f"{'scenario':9s}" + "".join(f"{b:>20s}" for b in names) + "   prompt tok")
+    figures: dict = {"machine": machine, "reps": args.reps, "results": {}}
+    for sc in scenarios:
+        cells = []
+        for b in names:
+            gen, ptok, secs, cpu = best[(sc, b)]
+            cells.append(f"{gen / secs:11.1f} |{best_cpu[(sc, b)]:7.1f}")
+            figures["results"].setdefault(sc, {})[b] = {
+                "generated_tokens": gen, "prompt_tokens": ptok, "seconds": round(secs, 3),
+                "cpu_seconds": round(cpu, 3), "tokens_per_s": round(gen / secs, 1),
+                "tokens_per_cpu_s": round(best_cpu[(sc, b)], 1),
+            }
+        print(f"{sc:9s}" + "".join(cells) + f"   {best[(sc, names[0])][1]:10d}")
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
