@@ -5,6 +5,7 @@ import pytest
 
 import omrl_search as om
 from omrl_search.backends.scripted import OraclePolicy
+from helpers import Recording
 from omrl_search.env import ValueSnapshots, env_class
 from omrl_search.types import StepResult
 
@@ -15,18 +16,6 @@ def _summary(results):
     s = om.summarize(results)
     s.pop("seconds")
     return s
-
-
-class Recording(OraclePolicy):
-    """The oracle, recording every batch it is asked for."""
-
-    def __init__(self, p=0.3):
-        super().__init__(p)
-        self.batches = []
-
-    def generate(self, requests):
-        self.batches.append(requests)
-        return super().generate(requests)
 
 
 def test_seeded_scripted_runs_are_identical():

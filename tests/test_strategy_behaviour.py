@@ -9,6 +9,7 @@ import networkx as nx
 import omrl_search as om
 from envs.arith import solvable
 from omrl_search.backends.scripted import OraclePolicy
+from helpers import Recording
 from omrl_search.types import Generation
 from strategies.tot import TreeOfThoughts
 from strategies.values import step_prob
@@ -24,16 +25,6 @@ def _numbers(node) -> list[Fraction]:
 def _solvable(node) -> bool:
     nums = _numbers(node)
     return bool(nums) and not (node.terminal and not node.success) and solvable(nums, 24)
-
-
-class Recording(OraclePolicy):
-    def __init__(self, p=0.3):
-        super().__init__(p)
-        self.batches = []
-
-    def generate(self, requests):
-        self.batches.append(requests)
-        return super().generate(requests)
 
 
 class TrapPolicy(Recording):
