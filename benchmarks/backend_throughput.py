@@ -21,6 +21,10 @@ wall figure is distorted (llama.cpp's spinning OpenMP threads suffer most from o
 run with ``--threads 1`` there: one thread neither spins nor competes with itself, so tokens per
 CPU-second measure the work each backend does per token, whatever the load.
 
+OpenMP threads wait passively (``OMP_WAIT_POLICY=PASSIVE``, set here unless given): torch and
+llama.cpp both spin by default, and on a busy machine spinning made 2 threads several times slower
+than 1 (llama.cpp up to 10x); passive waiting removes that for both.
+
 Run: ``python benchmarks/backend_throughput.py [--reps 2] [--threads 1] [--scenarios b1,b8,...]``.
 Prints a table, then as its last line one JSON object with every figure.
 """
@@ -32,6 +36,8 @@ import os
 import platform
 import sys
 import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch / llama_cpp load libgomp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -162,6 +168,7 @@ def main() -> None:
         "cpu": platform.processor() or platform.machine(),
         "torch": torch.__version__,
         "threads": args.threads,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "transformers": transformers.__version__,
         "llama_cpp_python": llama_cpp.__version__,
         "loadavg_start": round(load0, 2),

@@ -25,7 +25,8 @@ OTHER = [{"role": "system", "content": "Answer briefly."},
 
 @pytest.fixture(scope="module")
 def policy() -> LlamaCppPolicy:
-    p = make_policy("smollm2:llamacpp:n_ctx=1024,max_batch=4")
+    # one thread: no spinning OpenMP workers, robust on a busy shared machine
+    p = make_policy("smollm2:llamacpp:n_ctx=1024,max_batch=4,n_threads=1")
     assert isinstance(p, LlamaCppPolicy)
     yield p
     p.close()
@@ -131,7 +132,7 @@ def test_stop_strings(policy: LlamaCppPolicy) -> None:
 
 
 def test_llamacpp_spec_and_missing_file(tmp_path) -> None:
-    p = make_policy(f"llamacpp:{GGUF}:n_ctx=256,max_batch=1")
+    p = make_policy(f"llamacpp:{GGUF}:n_ctx=256,max_batch=1,n_threads=1")
     try:
         g = p.generate([GenRequest(MSGS, greedy(3))])[0][0]
         assert len(g.token_ids) == len(g.logprobs) >= 1
@@ -173,7 +174,7 @@ def test_smollm2_hf_conversion_and_generation() -> None:
     assert g.text.startswith("The capital of France is Paris")
     assert len(g.token_ids) == len(g.logprobs) and all(lp <= 0 for lp in g.logprobs)
     # both backends see the same token ids for a chat
-    lc = LlamaCppPolicy(GGUF, n_ctx=256, max_batch=1)
+    lc = LlamaCppPolicy(GGUF, n_ctx=256, max_batch=1, n_threads=1)
     try:
         for msgs in (MSGS, OTHER):
             a = p.tokenizer.encode(p.tokenizer.render(msgs, True))

@@ -40,6 +40,22 @@ from .hf_tokenizer import CHATML_TEMPLATE, compile_chat_template
 _BACKEND_READY = False
 
 
+def _import_llama_cpp() -> Any:
+    """Import llama_cpp, by default with ``OMP_WAIT_POLICY=PASSIVE`` for its OpenMP threads.
+
+    ggml's OpenMP workers spin between the hundreds of ops of each token; on a machine where
+    other processes compete for the cores (a shared dev box, tests in parallel) spinning made a
+    2-thread generation 8-10x slower than one thread, while PASSIVE waiting kept it at the
+    one-thread speed. The variable is read when libgomp is loaded, so it is set (unless the user
+    set it) just before the first import; llama.cpp links the system libgomp, not torch's copy.
+    """
+    import sys
+
+    if "llama_cpp" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return require("llama_cpp", "llamacpp")
+
+
 def _cpu_count() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -127,7 +143,7 @@ class LlamaCppPolicy(Policy):
         extra_bufts: bool = False,
         verbose: bool = False,
     ) -> None:
-        self._ll = require("llama_cpp", "llamacpp")
+        self._ll = _import_llama_cpp()
         self._np = require("numpy", "llamacpp")
         logging.getLogger("llama-cpp-python").setLevel(logging.DEBUG if verbose else logging.ERROR)
         self.n_ctx_req = int(n_ctx)

