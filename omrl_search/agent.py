@@ -46,7 +46,7 @@ class ReActFormat:
         """System and first user turn: task instruction, action syntax, example, observation."""
         parts = [f"Task: {task.instruction}".strip()]
         if getattr(env, "action_help", ""):
-            parts.append(f"Actions:\n{env.action_help}")
+            parts.append(env.action_help)
         if getattr(env, "examples", ""):
             parts.append(f"Example turn:\n{env.examples}")
         parts.append(f"Observation: {observation}")
@@ -79,7 +79,7 @@ class ReActFormat:
     @staticmethod
     def _error(what: str, action_help: str) -> str:
         msg = f"Invalid format: {what}. Answer with 'Think: <reasoning>' then 'Act: <action>'."
-        return f"{msg}\nActions:\n{action_help}" if action_help else msg
+        return f"{msg}\n{action_help}" if action_help else msg
 
     def render(self, thought: str, action: str) -> str:
         """The completion text this format expects for a (thought, action)."""

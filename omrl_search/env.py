@@ -47,7 +47,8 @@ class Env(ABC):
     """A text environment whose state can be snapshotted and restored.
 
     Class attributes describe the env to prompts and tools: ``name``, ``action_help`` (the
-    action syntax, shown to the model and in invalid-action messages), ``max_steps`` (default
+    action syntax as a paragraph starting ``Actions:``, shown to the model and in invalid-action
+    messages), ``max_steps`` (default
     horizon of a search) and ``snapshot_kind``.
     """
 

@@ -51,3 +51,15 @@ def test_turn_encoder_matches_full_render():
     ended = completion + tok.encode("<|im_end|>")
     obs2 = enc.observation_turn("Observation: ok", ended)
     assert first + ended + obs2 == tok.encode(tok.render(full, add_generation_prompt=True))
+
+
+def test_prompt_and_error_show_each_env_action_help_once():
+    from omrl_search.env import list_envs, make_env
+
+    for name in list_envs():
+        env = make_env(name)
+        help_ = env.action_help
+        assert help_.startswith("Actions:"), name
+        first = F.first_messages(env, env.tasks("test", limit=1)[0], "obs")
+        assert first[1]["content"].count("Actions:") == 1, name
+        assert F.parse("no action here", help_).error.count("Actions:") == 1, name
