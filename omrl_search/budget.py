@@ -73,15 +73,16 @@ class Budget:
             return time.perf_counter() - self._start
         return getattr(self.spent, kind)
 
-    def exhausted(self) -> str | None:
-        """The first budget kind whose limit is reached, or None."""
+    def exhausted(self, kinds: tuple[str, ...] | None = None) -> str | None:
+        """The first budget kind (of ``kinds``, default all) whose limit is reached, or None."""
         for kind, limit in self.limits.items():
-            if self.value(kind) >= limit:
+            if (kinds is None or kind in kinds) and self.value(kind) >= limit:
                 return kind
         return None
 
-    def check(self) -> None:
-        kind = self.exhausted()
+    def check(self, kinds: tuple[str, ...] | None = None) -> None:
+        """Raise :class:`BudgetExhausted` if a limit (of ``kinds``, default all) is reached."""
+        kind = self.exhausted(kinds)
         if kind is not None:
             raise BudgetExhausted(kind)
 

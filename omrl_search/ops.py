@@ -88,10 +88,13 @@ class SearchContext:
 
     async def evaluate(self, nodes: Sequence[Node], *, aggregation: str | None = None) -> list[float]:
         """Reward-model values of the paths ending at ``nodes`` (stored in ``node.score``);
-        per-step scores reduced by ``aggregation`` (default: the reward model's own)."""
+        per-step scores reduced by ``aggregation`` (default: the reward model's own).
+
+        Only the limits an evaluation spends (``rm_calls``, ``seconds``) stop it: scoring what
+        a spent token budget already paid for (best-of-N's samples) is what a search is for."""
         if self.engine.reward_model is None:
             raise RuntimeError("evaluate() needs a reward model")
-        self.budget.check()
+        self.budget.check(("rm_calls", "seconds"))
         if not nodes:
             return []
         return await Op("evaluate", self, (list(nodes), aggregation))

@@ -5,7 +5,8 @@ batched call per depth. The answer is chosen by
 
 * ``verifier`` — the first chain the env says succeeded (an oracle: the result is flagged
   ``verifier_in_loop``, so it is not a fair test-time figure);
-* ``rm`` — the reward model's value of each finished chain;
+* ``rm`` — the reward model's value of each chain (finished, or as far as it got when the token
+  budget ran out: scoring costs only reward-model calls);
 * ``vote`` — majority vote over the chains' final answers (self-consistency, Wang et al. 2023);
 * ``auto`` — ``rm`` when the search has a reward model, otherwise ``vote``.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from omrl_search.budget import BudgetExhausted
 from omrl_search.strategy import Strategy, majority_vote, register_strategy
 
 SELECTIONS = ("auto", "verifier", "rm", "vote")
@@ -38,10 +40,18 @@ class BestOfN(Strategy):
         return self.select_by
 
     async def run(self, ctx) -> None:
-        (firsts,) = await ctx.expand([ctx.root], self.n, temperature=self.temperature)
-        leaves = await ctx.rollout(firsts, temperature=self.temperature)
+        stopped = None
+        try:
+            (firsts,) = await ctx.expand([ctx.root], self.n, temperature=self.temperature)
+            await ctx.rollout(firsts, temperature=self.temperature)
+        except BudgetExhausted as exc:
+            if self._mode(ctx) != "rm":
+                raise
+            stopped = exc  # score what the budget paid for, then report the stop
         if self._mode(ctx) == "rm":
-            await ctx.evaluate(leaves)
+            await ctx.evaluate([n for n in ctx.tree.leaves() if n.parent is not None])
+        if stopped is not None:
+            raise stopped
 
     def select(self, ctx):
         leaves = [n for n in ctx.tree.leaves() if n.parent is not None]

@@ -171,3 +171,14 @@ def test_rm_selection_uses_reward_model():
         scored = [n for n in r.tree.nodes if n.score is not None]
         assert len(scored) == 4
         assert r.success == any(n.success for n in scored)  # outcome RM picks a winner if any
+
+
+def test_rm_selection_scores_the_chains_a_spent_token_budget_left():
+    results = om.search_many(TASKS[:5], strategy="best_of_n:n=4,select_by=rm",
+                             policy="scripted:oracle:p=0.3", reward_model="rules:format=1",
+                             budget="tokens=1200")
+    for r in results:
+        assert r.stop_reason == "budget:tokens"
+        leaves = [n for n in r.tree.leaves() if n.parent is not None]
+        assert leaves and all(n.score is not None for n in leaves)
+        assert r.spent["rm_calls"] == len(leaves)
