@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml Makefile
 	# CPU build of torch first: any other torch spec pulls gigabytes of CUDA packages.
 	$(BIN)/pip install -q torch==2.13.0
 	# llama-cpp-python compiles on first install (about 5 minutes; pip caches the wheel).
-	$(BIN)/pip install -q -e '.[hf,llamacpp,dev]'
+	$(BIN)/pip install -q -e '.[hf,llamacpp,train,deepspeed,dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
