@@ -1,0 +1,211 @@
+"""Every training loss and advantage estimator, as pure typed tensor functions.
+
+Modelled on verl's ``core_algos``: functions take tensors and plain numbers, return tensors, keep
+no state and never see a model, so each is tested on random tensors (and, where TRL computes the
+same formula, against TRL). Trainers look them up by name in :data:`LOSSES` and
+:data:`ADVANTAGES` (``register_loss`` / ``register_advantage`` add more).
+
+Conventions: ``[B, T]`` tensors are aligned with the token ids (``logprobs[b, t]`` is the
+log-probability of token ``t`` given tokens ``< t``; position 0 has none and is 0); ``mask`` is
+1.0 on tokens that carry loss (assistant tokens the trainer may change) and 0.0 elsewhere
+(prompt, observation, padding). Masks come from trajectory segments, never from re-rendering.
+
+Loss aggregation over a ``[B, T]`` per-token loss (``agg``):
+
+* ``token-mean``: sum over all loss tokens / number of loss tokens (long answers weigh more);
+* ``seq-mean-token-mean``: mean per sequence, then mean over sequences (original GRPO);
+* ``seq-mean-token-sum-norm``: sum per sequence / a constant ``norm`` (default ``T``), then mean
+  over sequences (Dr. GRPO: no length bias).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+DPO_KINDS = ("sigmoid", "ipo", "hinge")
+
+LOSSES: dict[str, Callable[..., object]] = {}
+ADVANTAGES: dict[str, Callable[..., object]] = {}
+
+
+def register_loss(name: str) -> Callable[[Callable], Callable]:
+    def deco(fn: Callable) -> Callable:
+        LOSSES[name] = fn
+        return fn
+    return deco
+
+
+def register_advantage(name: str) -> Callable[[Callable], Callable]:
+    def deco(fn: Callable) -> Callable:
+        ADVANTAGES[name] = fn
+        return fn
+    return deco
+
+
+# --- log-probabilities and aggregation -------------------------------------------------------------
+def token_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
+    """``log_softmax(logits)[..., labels]`` without materialising the full log-softmax
+    (gather minus logsumexp), in float32."""
+    logits = logits.float()
+    picked = torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def sequence_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
+    """``[B, T]`` log-probabilities of ``input_ids`` under causal-LM ``logits`` (``[B, T, V]``),
+    aligned with the ids (position 0 gets 0)."""
+    lp = token_logprobs(logits[:, :-1], input_ids[:, 1:])
+    return F.pad(lp, (1, 0))
+
+
+def aggregate(loss: Tensor, mask: Tensor, agg: str = "token-mean", norm: float | None = None) -> Tensor:
+    """Reduce a ``[B, T]`` per-token loss over ``mask`` (see the module docstring)."""
+    mask = mask.to(loss.dtype)
+    if agg == "token-mean":
+        return (loss * mask).sum() / mask.sum().clamp(min=1.0)
+    if agg == "seq-mean-token-mean":
+        per_seq = (loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+        has = (mask.sum(-1) > 0).to(loss.dtype)
+        return (per_seq * has).sum() / has.sum().clamp(min=1.0)
+    if agg == "seq-mean-token-sum-norm":
+        return ((loss * mask).sum(-1) / float(norm or loss.shape[-1])).mean()
+    raise ValueError(f"unknown loss aggregation {agg!r} (one of {', '.join(AGGREGATIONS)})")
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    mask = mask.to(x.dtype)
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+# --- supervised ---------------------------------------------------------------------------------------
+@register_loss("nll")
+def nll_loss(logprobs: Tensor, mask: Tensor, agg: str = "token-mean") -> Tensor:
+    """Masked negative log-likelihood of the loss tokens (SFT)."""
+    return aggregate(-logprobs, mask, agg)
+
+
+# --- preference -------------------------------------------------------------------------------------
+@register_loss("dpo")
+def dpo_loss(chosen: Tensor, rejected: Tensor, ref_chosen: Tensor, ref_rejected: Tensor, *,
+             beta: float = 0.1, kind: str = "sigmoid", label_smoothing: float = 0.0
+             ) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-pair DPO-family loss from sequence log-probabilities (``[B]`` each).
+
+    ``sigmoid`` (DPO, Rafailov et al. 2023; ``label_smoothing`` gives cDPO),
+    ``hinge`` (SLiC), ``ipo`` (Azar et al. 2023: pass per-token *mean* log-probabilities, as the
+    IPO authors and TRL do, so ``beta`` does not depend on length). Returns
+    ``(loss[B], chosen_reward[B], rejected_reward[B])`` with rewards ``beta * (logp - ref)``.
+    """
+    chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+    delta = chosen_ratio - rejected_ratio
+    if kind == "sigmoid":
+        loss = (-F.logsigmoid(beta * delta) * (1 - label_smoothing)
+                - F.logsigmoid(-beta * delta) * label_smoothing)
+    elif kind == "hinge":
+        loss = torch.relu(1 - beta * delta)
+    elif kind == "ipo":
+        loss = (delta - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"unknown DPO loss {kind!r} (one of {', '.join(DPO_KINDS)})")
+    return loss, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+
+
+# --- policy gradient -----------------------------------------------------------------------------
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """Per-token k3 estimator of KL(policy || reference) (Schulman 2020): unbiased, >= 0."""
+    d = ref_logprobs - logprobs
+    return torch.exp(d) - d - 1
+
+
+@register_loss("clip")
+def clip_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
+                     clip_low: float = 0.2, clip_high: float = 0.2, agg: str = "token-mean",
+                     ref_logprobs: Tensor | None = None, kl_coef: float = 0.0,
+                     norm: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO/GRPO clipped surrogate with asymmetric clip (DAPO's clip-higher: the ratio is
+    clipped to ``[1 - clip_low, 1 + clip_high]``) and an optional k3 KL penalty to a reference.
+
+    ``advantages`` is ``[B]`` (one per sequence, GRPO) or ``[B, T]`` (per token, PPO/GAE).
+    Returns the loss and detached statistics: ``clip_frac``, ``approx_kl`` (k3 of old vs new),
+    ``kl`` (to the reference, when given).
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    per_token = -torch.minimum(ratio * advantages, clipped * advantages)
+    stats: dict[str, Tensor] = {}
+    if ref_logprobs is not None and kl_coef:
+        kl = kl_k3(logprobs, ref_logprobs)
+        per_token = per_token + kl_coef * kl
+        stats["kl"] = masked_mean(kl.detach(), mask)
+    loss = aggregate(per_token, mask, agg, norm)
+    with torch.no_grad():
+        was_clipped = ((ratio < 1 - clip_low) & (advantages < 0)) | ((ratio > 1 + clip_high) & (advantages > 0))
+        stats["clip_frac"] = masked_mean(was_clipped.to(logprobs.dtype), mask)
+        stats["approx_kl"] = masked_mean(kl_k3(logprobs.detach(), old_logprobs), mask)
+    return loss, stats
+
+
+@register_loss("value")
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *,
+               clip: float | None = 0.2, agg: str = "token-mean") -> Tensor:
+    """Clipped value-function loss ``0.5 * max((v - R)^2, (v_clip - R)^2)`` (PPO)."""
+    err = (values - returns) ** 2
+    if clip is not None:
+        v_clip = old_values + torch.clamp(values - old_values, -clip, clip)
+        err = torch.maximum(err, (v_clip - returns) ** 2)
+    return 0.5 * aggregate(err, mask, agg)
+
+
+# --- advantages --------------------------------------------------------------------------------------
+@register_advantage("grpo")
+def group_advantages(rewards: Tensor, group_ids: Tensor, *, scale: str = "std",
+                     eps: float = 1e-6) -> Tensor:
+    """GRPO advantages: each reward minus its group's mean, divided by the group's std
+    (``scale="std"``, unbiased, as GRPO and TRL) or not (``"none"``, Dr. GRPO). Groups are keyed
+    by ``group_ids`` (any integers, any group sizes, any order); a group of one gets 0."""
+    rewards = rewards.float()
+    _, inv = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(inv.max()) + 1 if inv.numel() else 0
+    count = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device).index_add_(
+        0, inv, torch.ones_like(rewards))
+    mean = torch.zeros_like(count).index_add_(0, inv, rewards) / count
+    centred = rewards - mean[inv]
+    if scale == "none":
+        adv = centred
+    elif scale == "std":
+        var = torch.zeros_like(count).index_add_(0, inv, centred ** 2) / (count - 1).clamp(min=1.0)
+        adv = centred / (var.sqrt()[inv] + eps)
+    else:
+        raise ValueError(f"unknown advantage scale {scale!r} (std or none)")
+    return torch.where(count[inv] > 1, adv, torch.zeros_like(adv))
+
+
+@register_advantage("gae")
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0,
+        lam: float = 0.95) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over ``[B, T]`` token rewards and values that skips
+    tokens with ``mask == 0`` (observations, prompts, padding): the recursion runs over the
+    policy's own tokens only, as if the observation tokens were not there, so an observation
+    between two assistant turns neither discounts nor bootstraps. Rewards must sit on mask
+    tokens (e.g. a turn's env reward on its last token). Returns ``(advantages, returns)``,
+    zero off the mask."""
+    mask = mask.to(values.dtype)
+    B, T = rewards.shape
+    adv = torch.zeros_like(values)
+    next_value = torch.zeros(B, dtype=values.dtype, device=values.device)
+    last = torch.zeros_like(next_value)
+    for t in range(T - 1, -1, -1):
+        m = mask[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        g = delta + gamma * lam * last
+        adv[:, t] = g * m
+        next_value = torch.where(m > 0, values[:, t], next_value)
+        last = torch.where(m > 0, g, last)
+    return adv, (adv + values) * mask
