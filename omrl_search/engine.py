@@ -386,7 +386,7 @@ class Engine:
             if all(agg is None for *_, agg in flat):
                 values = rm.value(trajs)
             else:
-                values = [aggregate(s, agg or rm.aggregation)
+                values = [s if isinstance(s, Exception) else aggregate(s, agg or rm.aggregation)
                           for s, (*_, agg) in zip(rm.score(trajs), flat)]
         except Exception as exc:
             values = [exc] * len(flat)

@@ -38,10 +38,15 @@ class RewardModel(ABC):
 
     @abstractmethod
     def score(self, prefixes: list[Trajectory]) -> list[list[float]]:
-        """One score per step of each prefix (a prefix with no steps gets ``[]``)."""
+        """One score per step of each prefix (a prefix with no steps gets ``[]``).
+
+        A prefix that cannot be scored (a judge answer without a score) may get an exception
+        in place of its list: the engine records it as that prefix's fault and scores it 0,
+        leaving the rest of the batch alone."""
 
     def value(self, prefixes: list[Trajectory]) -> list[float]:
-        return [aggregate(s, self.aggregation) for s in self.score(prefixes)]
+        return [s if isinstance(s, Exception) else aggregate(s, self.aggregation)
+                for s in self.score(prefixes)]
 
 
 _RMS: dict[str, Callable[..., RewardModel]] = {}

@@ -2,7 +2,8 @@
 
 * ``format`` — 1 when the step parsed as ``Think:``/``Act:`` and the env accepted the action;
 * ``outcome`` — the env's success at a terminal step, 0 before;
-* ``tag_count`` — 1 when the completion has exactly one ``Think:`` and one ``Act:`` line.
+* ``tag_count`` — 1 when the completion has exactly one ``Think:`` and one ``Act:`` line;
+* ``env`` — the env's own reward for the step.
 
 ``rules:format=0.2,outcome=1`` scores each step with the weighted sum (aggregation ``last`` by
 default, so a finished trajectory's value is its final step's score).
@@ -33,8 +34,12 @@ def tag_count_rule(step: Step) -> float:
     return 1.0 if len(_THINK.findall(step.completion)) == 1 and len(_ACT.findall(step.completion)) == 1 else 0.0
 
 
+def env_rule(step: Step) -> float:
+    return float(step.reward)
+
+
 RULES: dict[str, Callable[[Step], float]] = {
-    "format": format_rule, "outcome": outcome_rule, "tag_count": tag_count_rule}
+    "format": format_rule, "outcome": outcome_rule, "tag_count": tag_count_rule, "env": env_rule}
 
 
 class RuleReward(RewardModel):
@@ -58,4 +63,7 @@ class RuleReward(RewardModel):
 def _rules(arg: str) -> RuleReward:
     opts = parse_kv(arg, "reward model") if arg else {"format": 0.2, "outcome": 1.0}
     aggregation = opts.pop("aggregation", "last")
+    bad = [f"{k}={v!r}" for k, v in opts.items() if isinstance(v, bool) or not isinstance(v, (int, float))]
+    if bad:
+        raise ValueError(f"rules: weights must be numbers, got {', '.join(bad)}")
     return RuleReward({k: float(v) for k, v in opts.items()}, aggregation)

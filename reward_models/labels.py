@@ -1,0 +1,334 @@
+"""label search trees with per-step values (Monte-Carlo, MCTS Q) for PRM training
+
+``omrl label RESULTS... --out DIR [--policy SPEC] [--rollouts N]`` reads search results
+(``results.jsonl`` files or folders holding one) and writes ``DIR/<split>.parquet`` label files
+(layout in :mod:`reward_models.label_files`); ``omrl label --check FILE...`` validates label files.
+
+For every step of every root-to-leaf path of every tree (failed nodes and duplicate-state
+prunes left out):
+
+* **Monte-Carlo value** in the style of Math-Shepherd (Wang et al. 2024): the share of rollouts
+  from the step's node that end in success. The finished leaves already below the node in the
+  tree count as rollouts (``--no-tree-leaves`` to use fresh ones only); where there are fewer than
+  ``--rollouts`` N, the missing ones are sampled with ``--policy`` through the engine
+  (``search_many``: every tree's rollouts advance together, one policy call per round). Nodes are
+  rebuilt by replaying the recorded completions in the env and checked against the recorded state
+  keys. Leaves of a search are chosen by the search, so values from them lean towards the search's
+  own preferences; fresh rollouts are samples of the policy itself.
+* **Q-value** where the node has MCTS visits: value sum / visits.
+
+``soft_labels`` is the MC value (``--soft mc``), the Q-value where there is one (``q``), or the
+mean of the two (``mean``); ``labels`` is ``soft_labels >= --threshold``. A terminal step's MC
+value is its own success.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from omrl_search.strategy import Strategy
+
+SOFT = ("mc", "q", "mean")
+
+
+# --- completing rollouts through the engine ------------------------------------------------------
+@dataclass
+class _Target:
+    path: list[str]  # completions from the root to the node
+    state_key: str
+    need: int
+    successes: int = 0
+    done: int = 0
+
+
+class RolloutCompleter(Strategy):
+    """A strategy that rebuilds given nodes by replaying their completions (no LM call), then
+    rolls each out ``need`` times with the policy. Results are stored on the targets."""
+
+    name = "label-rollouts"
+    verifier_in_loop = False
+
+    def __init__(self, plans: dict[str, list[_Target]], temperature: float | None = None):
+        self.plans, self.temperature = plans, temperature
+
+    def spec(self) -> str:
+        return self.name
+
+    def select(self, ctx: Any) -> Any:
+        return None
+
+    async def run(self, ctx: Any) -> None:
+        from omrl_search.tree import FAILED
+
+        trie: dict[tuple[int, str], Any] = {}
+        starts, owners = [], []
+        for target in self.plans.get(ctx.task.task_id, []):
+            node = ctx.root
+            for completion in target.path:
+                child = trie.get((node.id, completion))
+                if child is None:
+                    kids = ctx.apply(node, [completion], dedup=False)
+                    if not kids:
+                        raise ValueError(f"replay of {ctx.task.task_id} failed")
+                    child = trie[(node.id, completion)] = kids[0]
+                node = child
+            if target.state_key and node.state_key and node.state_key != target.state_key:
+                raise ValueError(f"replay of {ctx.task.task_id} diverged from the recorded tree "
+                                   f"(state {node.state_key[:12]} != {target.state_key[:12]})")
+            if node.status == FAILED:
+                continue
+            starts += [node] * target.need
+            owners += [target] * target.need
+        if not starts:
+            return
+        leaves = await ctx.rollout(starts, temperature=self.temperature)
+        for target, leaf in zip(owners, leaves):
+            if leaf.terminal and leaf.status != FAILED:  # a faulted rollout is not a sample
+                target.done += 1
+                target.successes += bool(leaf.success)
+
+
+# --- labelling -------------------------------------------------------------------------------------
+@dataclass
+class _NodeLabel:
+    wins: int = 0
+    count: int = 0
+    target: _Target | None = None
+    q: float | None = None
+    visits: int = 0
+
+
+def _leaf_paths(tree: Any) -> list[list[Any]]:
+    from omrl_search.tree import FAILED
+
+    paths = []
+    for leaf in tree.leaves():
+        if leaf.parent is None or leaf.status == FAILED or leaf.error == "duplicate state":
+            continue
+        path = tree.path(leaf)[1:]
+        if all(n.step is not None and n.status != FAILED for n in path):
+            paths.append(path)
+    return paths
+
+
+def _finished_below(tree: Any) -> dict[int, tuple[int, int]]:
+    """Per node id: (successful, all) finished non-failed leaves in its subtree."""
+    from omrl_search.tree import FAILED
+
+    out: dict[int, tuple[int, int]] = {}
+    for node in reversed(tree.nodes):  # children always come after their parent
+        wins = count = 0
+        if node.terminal and node.status != FAILED:
+            wins, count = int(node.success), 1
+        for c in node.children:
+            w, n = out[c]
+            wins, count = wins + w, count + n
+        out[node.id] = (wins, count)
+    return out
+
+
+def label_results(results: Iterable[Any], *, policy: Any = None, rollouts: int = 4,
+                  soft: str = "mc", threshold: float = 0.5, tree_leaves: bool = True,
+                  segments: bool = True, seed: int = 0, max_depth: int | None = None,
+                  sampling: Any = None, progress: bool = False) -> list[dict[str, Any]]:
+    """Label rows (see :mod:`reward_models.label_files`) from search results."""
+    from omrl_search.api import search_many
+    from omrl_search.tree import Trajectory
+
+    from .inputs import task_prompt
+
+    if soft not in SOFT:
+        raise ValueError(f"soft must be one of {', '.join(SOFT)}, got {soft!r}")
+    if rollouts < 0 or not 0.0 < threshold <= 1.0:
+        raise ValueError("need rollouts >= 0 and 0 < threshold <= 1")
+    results = list(results)
+    per_tree: list[tuple[Any, list[list[Any]], dict[int, _NodeLabel]]] = []
+    plans: dict[str, list[_Target]] = {}
+    tasks: dict[str, Any] = {}
+    for res in results:
+        tree = res.tree
+        paths = _leaf_paths(tree)
+        below = _finished_below(tree) if tree_leaves else {}
+        labels: dict[int, _NodeLabel] = {}
+        for path in paths:
+            for node in path:
+                if node.id in labels:
+                    continue
+                if node.terminal:
+                    lab = _NodeLabel(int(node.success), 1)
+                else:
+                    lab = _NodeLabel(*below.get(node.id, (0, 0)))
+                if node.visits > 0:
+                    lab.q = min(max(node.value_sum / node.visits, 0.0), 1.0)
+                    lab.visits = node.visits
+                if not node.terminal and lab.count < rollouts and policy is not None:
+                    lab.target = _Target([n.step.completion for n in tree.path(node)[1:]],
+                                         node.state_key, rollouts - lab.count)
+                    plans.setdefault(res.task.task_id, []).append(lab.target)
+                    tasks.setdefault(res.task.task_id, res.task)
+                labels[node.id] = lab
+        per_tree.append((res, paths, labels))
+
+    faults: list[str] = []
+    if plans:
+        completer = RolloutCompleter(plans, sampling.temperature if sampling is not None else None)
+        done = search_many(list(tasks.values()), strategy=completer, policy=policy, seed=seed,
+                           max_depth=max_depth, sampling=sampling, progress=progress)
+        for r in done:
+            faults += [f"{r.task.task_id}: {f}" for f in r.faults]
+        bad = [f for f in faults if "strategy:" in f]
+        if bad:
+            raise ValueError(f"completing rollouts failed: {bad[0]}")
+
+    rows = []
+    for res, paths, labels in per_tree:
+        seen: set[tuple[int, ...]] = set()
+        for path in paths:
+            key = tuple(n.id for n in path)
+            if key in seen:
+                continue
+            seen.add(key)
+            mc, n_mc, q, visits = [], [], [], []
+            for node in path:
+                lab = labels[node.id]
+                wins, count = lab.wins, lab.count
+                if lab.target is not None:
+                    wins, count = wins + lab.target.successes, count + lab.target.done
+                mc.append(wins / count if count else None)
+                n_mc.append(count)
+                q.append(lab.q)
+                visits.append(lab.visits)
+            target = [_soft(m, qv, soft) for m, qv in zip(mc, q)]
+            if None in target:  # steps without any value: keep the labelled prefix only
+                cut = target.index(None)
+                if cut == 0:
+                    continue
+                path, mc, n_mc, q, visits, target = (x[:cut] for x in (path, mc, n_mc, q, visits, target))
+            steps = [n.step for n in path]
+            segs = []
+            if segments:
+                segs = [{"role": s.role, "token_ids": s.token_ids, "trainable": s.trainable}
+                        for s in Trajectory(res.task, [res.tree.root] + path).segments()]
+            rows.append({
+                "prompt": task_prompt(res.task.instruction, res.tree.root.observation),
+                "completions": [s.completion for s in steps],
+                "labels": [t >= threshold for t in target], "soft_labels": target,
+                "mc_values": list(mc), "mc_rollouts": list(n_mc), "q_values": list(q),
+                "visits": list(visits), "observations": [s.observation for s in steps],
+                "segments": segs, "env": res.task.env, "task_id": res.task.task_id,
+                "split": res.task.split, "strategy": res.strategy,
+                "success": bool(path[-1].terminal and path[-1].success),
+                "terminal": bool(path[-1].terminal),
+            })
+    return rows
+
+
+def _soft(mc: float | None, q: float | None, how: str) -> float | None:
+    if how == "mc":
+        return mc
+    if how == "q":
+        return q if q is not None else mc
+    have = [v for v in (mc, q) if v is not None]
+    return sum(have) / len(have) if have else None
+
+
+# --- the command -------------------------------------------------------------------------------------
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("results", nargs="*", help="results.jsonl files (or folders holding one)")
+    p.add_argument("--out", help="folder for <split>.parquet label files and meta.json")
+    p.add_argument("--check", nargs="+", metavar="FILE", help="only validate label files")
+    p.add_argument("--policy", default=None,
+                   help="policy that completes rollouts where the tree has too few (omit: tree only)")
+    p.add_argument("--rollouts", type=int, default=4, help="rollouts wanted per step (default 4)")
+    p.add_argument("--no-tree-leaves", action="store_true",
+                   help="do not count the tree's own finished leaves as rollouts")
+    p.add_argument("--soft", choices=SOFT, default="mc", help="what soft_labels holds (default mc)")
+    p.add_argument("--threshold", type=float, default=0.5, help="labels = soft_labels >= this")
+    p.add_argument("--no-segments", action="store_true", help="leave the token-id segments out")
+    p.add_argument("--max-depth", type=int, default=None, help="rollout depth (default: env's)")
+    p.add_argument("--max-tokens", type=int, default=96, help="completion tokens per rollout step")
+    p.add_argument("--temperature", type=float, default=1.0, help="rollout sampling temperature")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _result_files(paths: Sequence[str]) -> list[Path]:
+    out = []
+    for raw in paths:
+        p = Path(raw)
+        if p.is_dir():
+            p = p / "results.jsonl"
+        if not p.is_file():
+            raise ValueError(f"{raw}: no such results file")
+        out.append(p)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from .label_files import read_labels, write_labels
+
+    if args.check:
+        for f in args.check:
+            rows = read_labels(f)
+            print(f"{f}: ok, {len(rows)} rows, {sum(len(r['completions']) for r in rows)} steps")
+        return 0
+    if not args.results or not args.out:
+        raise ValueError("give results files and --out DIR (or --check FILE...)")
+    if args.rollouts < 0:
+        raise ValueError(f"--rollouts must be >= 0, got {args.rollouts}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a folder")
+    from omrl_search.policy import make_policy
+    from omrl_search.result import read_results
+    from omrl_search.types import SamplingParams
+
+    results = [r for f in _result_files(args.results) for r in read_results(f)]
+    if not results:
+        raise ValueError("the results files hold no searches")
+    policy = make_policy(args.policy) if args.policy else None
+    t0 = time.perf_counter()
+    rows = label_results(
+        results, policy=policy, rollouts=args.rollouts, soft=args.soft, threshold=args.threshold,
+        tree_leaves=not args.no_tree_leaves, segments=not args.no_segments, seed=args.seed,
+        max_depth=args.max_depth, sampling=SamplingParams(args.temperature, max_tokens=args.max_tokens),
+        progress=not args.no_progress)
+    if not rows:
+        raise ValueError("no labelled steps: the trees have no finished rollouts (give --policy)")
+    written = write_labels(rows, out)
+    meta = summarize_rows(rows)
+    meta.update(seconds=round(time.perf_counter() - t0, 2), files=written,
+                args={k: v for k, v in vars(args).items() if k not in ("func",)})
+    (out / "meta.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+    for split, s in meta["splits"].items():
+        print(f"{split}: {s['rows']} rows, {s['steps']} steps, {s['positive']} positive, "
+              f"mean soft label {s['mean_soft']:.3f}, {s['tasks']} tasks -> {written[split]}")
+    return 0
+
+
+def summarize_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    splits: dict[str, Any] = {}
+    for r in rows:
+        s = splits.setdefault(r["split"], {"rows": 0, "steps": 0, "positive": 0, "soft": 0.0,
+                                           "tasks": set(), "with_q": 0})
+        s["rows"] += 1
+        s["steps"] += len(r["completions"])
+        s["positive"] += sum(r["labels"])
+        s["soft"] += sum(r["soft_labels"])
+        s["with_q"] += sum(q is not None for q in r.get("q_values") or [])
+        s["tasks"].add(r["task_id"])
+    for s in splits.values():
+        s["mean_soft"] = round(s.pop("soft") / max(s["steps"], 1), 4)
+        s["tasks"] = len(s["tasks"])
+    return {"rows": len(rows), "splits": splits}
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from omrl_search.cli import main
+
+    sys.exit(main(["label", *sys.argv[1:]]))

@@ -1,0 +1,98 @@
+"""Train a policy (sft, dpo, grpo, ppo) or a process reward model (prm) on exported data.
+
+``omrl train KIND [--config FILE.yaml] [--model M] [--data F.parquet ...] [--out DIR]
+[--set key=value ...] [--resume]``: settings come from the trainer's defaults, then the YAML
+file, then the flags, then ``--set`` (dotted keys: ``--set lora.r=16``). A bad setting or data
+row prints one line (``file:row: reason`` for data) and exits with status 2, writing nothing.
+``prm`` is provided by :mod:`train.prm` when present (its own flags).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from typing import Any
+
+#: trainer name -> (module, config class)
+TRAINERS = {"sft": ("train.sft", "SFTConfig"), "dpo": ("train.dpo", "DPOConfig"),
+            "grpo": ("train.grpo", "GRPOConfig"), "ppo": ("train.ppo", "PPOConfig")}
+HELP = {"sft": "supervised fine-tuning on SFT rows (masked NLL, optional packing)",
+        "dpo": "DPO / IPO / hinge on sibling pairs",
+        "grpo": "GRPO on exported groups, or online / iterative with the search engine",
+        "ppo": "PPO with a value head and GAE over the policy's own tokens"}
+
+#: flag -> config key
+FLAGS = {"model": "model", "data": "data", "out": "out", "max_steps": "max_steps", "lr": "lr",
+         "batch_size": "batch_size", "grad_accum": "grad_accum", "seed": "seed"}
+
+
+def _prm() -> Any:
+    try:
+        return importlib.import_module("train.prm")
+    except ModuleNotFoundError as exc:
+        if exc.name != "train.prm":
+            raise
+        return None
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="a YAML file of settings")
+    p.add_argument("--model", help="HF folder, .gguf file or smollm2 (default smollm2)")
+    p.add_argument("--data", nargs="+", help="parquet files from `omrl export`")
+    p.add_argument("--out", help="output folder (the trained HF model, checkpoints, metrics)")
+    p.add_argument("--max-steps", type=int, help="optimizer steps")
+    p.add_argument("--lr", type=float)
+    p.add_argument("--batch-size", type=int, help="sequences per micro-batch")
+    p.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="any setting, e.g. lora.r=16, online.env=countdown (repeatable)")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="trainer", required=True)
+    for name in TRAINERS:
+        _common(sub.add_parser(name, help=HELP[name], description=HELP[name]))
+    prm = _prm()
+    if prm is not None:
+        prm.configure(sub.add_parser("prm", help=(prm.__doc__ or "prm").strip().splitlines()[0]))
+
+
+def overrides(args: argparse.Namespace) -> list[str] | dict[str, Any]:
+    out: dict[str, Any] = {}
+    for flag, key in FLAGS.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            out[key] = value
+    if getattr(args, "resume", False):
+        out["resume"] = True
+    if getattr(args, "no_progress", False):
+        out["progress"] = False
+    from .config import _override_items
+
+    for key, value in _override_items(args.set):
+        out[key] = value
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.trainer == "prm":
+        return _prm().run(args)
+    from omrl_search.policy import PolicyError
+
+    from .config import TrainError
+
+    module, cls_name = TRAINERS[args.trainer]
+    try:
+        mod = importlib.import_module(module)
+        cfg = getattr(mod, cls_name).from_sources(args.config, overrides(args))
+        last = mod.train(cfg)
+    except (TrainError, PolicyError) as exc:
+        print(f"omrl train: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({"out": cfg.out, **{k: v for k, v in last.items()
+                                         if k in ("step", "loss", "policy_version")}}))
+    return 0

@@ -1,0 +1,286 @@
+"""train a process reward model on step labels from search trees (BCE on soft labels)
+
+``omrl train prm --data DIR --base MODEL --out DIR`` reads the label files that ``omrl label``
+wrote (:mod:`reward_models.label_files`), builds a :class:`~reward_models.prm.ProcessRewardModel`
+on ``MODEL`` (an HF folder or ``smollm2``; ``keep_layers`` cuts the backbone to its bottom
+blocks, ``train_layers`` trains only the top blocks and the head — full fine-tuning of even a 135M
+backbone is slow on a CPU) and minimises binary cross-entropy between the head's logit at each
+step and the step's soft label (a float in [0, 1], never rounded). ``objective: outcome`` trains
+an ORM instead: the last step of each row only.
+
+Data: rows of split ``train`` train; a ``validation`` split is the validation set when the folder
+has one, otherwise ``val_fraction`` of the train *tasks* (by a stable hash of the task id, so
+no task is in both). Rows of other splits (``test``) are never read here: they are held out for
+:func:`evaluate` (``benchmarks/prm_quality.py``).
+
+The loop is :class:`train.runtime.Runner` (device, bf16 autocast, checkpoints, exact resume,
+progress bar, ``metrics.jsonl``). Every ``eval_every`` steps and at the end, step-level AUC,
+accuracy and BCE on the validation set are printed and logged (``val_*`` in ``metrics.jsonl``;
+the final figures also in ``omrl-train.json``). The output folder loads with ``prm:OUT``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Literal, Sequence
+
+from pydantic import Field
+
+from .runtime import ListSource, Runner, TrainConfig, TrainError
+
+
+class PRMConfig(TrainConfig):
+    lr: float = Field(5e-5, gt=0)
+    batch_size: int = Field(8, ge=1)
+    max_length: int = Field(1024, ge=8)
+    objective: Literal["process", "outcome"] = "process"
+    read: Literal["observation", "step"] = "observation"
+    input: Literal["auto", "segments", "text"] = "auto"
+    aggregation: Literal["min", "last", "prod", "mean"] = "last"
+    keep_layers: int | None = Field(None, ge=1)  # cut the backbone to its bottom N blocks
+    train_layers: int | None = Field(None, ge=0)  # train only the top N blocks (+ head); None: all
+    val_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    eval_every: int = Field(0, ge=0)  # optimizer steps between validations (0: only at the end)
+    threshold: float = Field(0.5, gt=0.0, le=1.0)  # positive step: soft label >= threshold
+    max_rows: int | None = Field(None, ge=1)  # train on a seeded random sample of this many rows
+
+
+# --- the loss -------------------------------------------------------------------------------------
+def prm_bce_loss(logits: Any, targets: Any, mask: Any) -> Any:
+    """Mean binary cross-entropy with logits over the masked steps; soft targets in [0, 1]."""
+    import torch
+
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(
+        logits.float(), targets.float(), reduction="none")
+    m = mask.float()
+    return (loss * m).sum() / m.sum().clamp(min=1.0)
+
+
+def make_loss_fn(threshold: float = 0.5):
+    def loss_fn(model: Any, batch: dict[str, Any]) -> tuple[Any, dict[str, float]]:
+        logits = model(batch["input_ids"], batch["attention_mask"], batch["positions"])
+        mask = batch["step_mask"]
+        loss = prm_bce_loss(logits, batch["targets"], mask)
+        with_steps = mask.sum().clamp(min=1)
+        hit = ((logits.detach() >= 0) == (batch["targets"] >= threshold)) & mask
+        return loss, {"tokens": float(batch["attention_mask"].sum()),
+                      "accuracy": float(hit.sum() / with_steps)}
+
+    return loss_fn
+
+
+# --- data -------------------------------------------------------------------------------------------
+def split_rows(rows: list[dict[str, Any]], val_fraction: float) -> tuple[list[dict], list[dict]]:
+    """(train, validation) rows: the ``validation`` split if present, else a task-level hash
+    split of the ``train`` rows."""
+    from omrl_search.env import stable_hash
+
+    train = [r for r in rows if r["split"] == "train"]
+    val = [r for r in rows if r["split"] == "validation"]
+    if val or not val_fraction:
+        return train, val
+    cut = int(val_fraction * 10_000)
+    is_val = {t: int(stable_hash(("prm-val", t)), 16) % 10_000 < cut for t in {r["task_id"] for r in train}}
+    return [r for r in train if not is_val[r["task_id"]]], [r for r in train if is_val[r["task_id"]]]
+
+
+def build_examples(prm: Any, rows: Sequence[dict[str, Any]], objective: str = "process") -> list[tuple]:
+    """``(ids, positions, targets)`` per row, with the reward model's own encoder."""
+    from reward_models.inputs import episode_from_row
+
+    out = []
+    for row in rows:
+        ids, pos = prm.encoder.encode(episode_from_row(row))
+        targets = [float(y) for y in row["soft_labels"]]
+        if objective == "outcome":
+            pos, targets = pos[-1:], targets[-1:]
+        out.append((ids, pos, targets))
+    return out
+
+
+def make_collate(prm: Any):
+    def collate(examples: list[tuple]) -> dict[str, Any]:
+        import torch
+
+        batch = prm.collate([(ids, pos) for ids, pos, _ in examples], device="cpu")
+        S = batch["positions"].shape[1]
+        targets = torch.zeros((len(examples), S), dtype=torch.float32)
+        for b, (_, _, ys) in enumerate(examples):
+            targets[b, :len(ys)] = torch.tensor(ys, dtype=torch.float32)
+        batch["targets"] = targets
+        return batch  # the runner moves it to its device
+
+    return collate
+
+
+# --- evaluation -----------------------------------------------------------------------------------
+def unique_steps(rows: Sequence[dict[str, Any]]) -> list[tuple[dict[str, Any], int, bool]]:
+    """Each distinct step once, as ``(row, step count, is_outcome)``: rows share prefixes, and a
+    step shared by many rows must not count many times. ``is_outcome`` marks a terminal row's
+    last step (its observation shows the outcome)."""
+    seen: set = set()
+    out = []
+    for row in rows:
+        for i in range(len(row["completions"])):
+            key = (row["task_id"], tuple(row["completions"][:i + 1]))
+            if key in seen:
+                continue
+            seen.add(key)
+            last = i == len(row["completions"]) - 1
+            out.append((row, i + 1, bool(last and row.get("terminal"))))
+    return out
+
+
+def evaluate(prm: Any, rows: Sequence[dict[str, Any]], threshold: float = 0.5) -> dict[str, Any]:
+    """Step-level AUC / accuracy / BCE of ``prm`` on distinct steps of ``rows`` (all steps, and
+    ``*_before_end``: without the final steps of finished rows, whose observation shows the
+    outcome)."""
+    from reward_models.inputs import episode_from_row, truncate
+    from reward_models.metrics import step_metrics
+
+    steps = unique_steps(rows)
+    if not steps:
+        return {}
+    if prm.kind == "orm":  # one score per prefix: score every step's own prefix
+        scores = prm.score_episodes([truncate(episode_from_row(r), n) for r, n, _ in steps])
+        preds = [s[-1] for s in scores]
+    else:  # causal: one pass over a row gives the scores of all its steps
+        rows_once = list({id(r): r for r, _, _ in steps}.values())
+        score_of = {id(r): s for r, s in zip(rows_once, prm.score_episodes(
+            [episode_from_row(r) for r in rows_once]))}
+        preds = [score_of[id(r)][n - 1] for r, n, _ in steps]
+    gold = [float(r["soft_labels"][n - 1]) for r, n, _ in steps]
+    out = step_metrics(preds, gold, threshold)
+    inner = [(p, y) for (p, y), (_, _, end) in zip(zip(preds, gold), steps) if not end]
+    if inner:
+        sub = step_metrics([p for p, _ in inner], [y for _, y in inner], threshold)
+        out.update({f"{k}_before_end": v for k, v in sub.items()})
+    return out
+
+
+# --- the job ------------------------------------------------------------------------------------------
+def build(cfg: PRMConfig, rows: list[dict[str, Any]]) -> tuple[Runner, Any, list[dict], list[dict]]:
+    """The runner, the reward model, and the train / validation rows."""
+    from reward_models.prm import ProcessRewardModel
+
+    train_rows, val_rows = split_rows(rows, cfg.val_fraction)
+    if not train_rows:
+        raise TrainError("no rows of split 'train' in the label data")
+    if cfg.max_rows is not None and len(train_rows) > cfg.max_rows:
+        import random
+
+        train_rows = random.Random(cfg.seed).sample(train_rows, cfg.max_rows)
+    cls = ProcessRewardModel
+    if cfg.objective == "outcome":
+        from reward_models.orm import OutcomeRewardModel as cls  # type: ignore[no-redef]
+    try:
+        prm = cls.from_base(
+            cfg.model, read=cfg.read, input=cfg.input, aggregation=cfg.aggregation,
+            keep_layers=cfg.keep_layers, device="cpu", dtype="float32", seed=cfg.seed,
+            max_length=cfg.max_length, batch_size=cfg.batch_size)
+    except ValueError as exc:
+        raise TrainError(str(exc)) from None
+    trainable = prm.model.freeze(cfg.train_layers)
+    examples = build_examples(prm, train_rows, cfg.objective)
+    if len(examples) < cfg.batch_size:
+        raise TrainError(f"{len(examples)} training rows cannot fill a batch of {cfg.batch_size}")
+    source = ListSource(examples, cfg.batch_size, seed=cfg.seed)
+
+    def on_step(runner: Runner, metrics: dict[str, float]) -> None:
+        if cfg.eval_every and runner.step % cfg.eval_every == 0 and runner.step < runner.max_steps:
+            _validate(runner, prm, val_rows, cfg)
+
+    runner = Runner(cfg, prm.model, make_loss_fn(cfg.threshold), source, make_collate(prm),
+                    save_fn=lambda model, folder: prm.write_files(folder),
+                    load_fn=lambda model, folder: prm.load_weights(folder),
+                    on_step=on_step, kind="prm")
+    runner.trainable_parameters = trainable  # type: ignore[attr-defined]
+    return runner, prm, train_rows, val_rows
+
+
+def _validate(runner: Runner, prm: Any, val_rows: list[dict], cfg: PRMConfig) -> dict[str, Any]:
+    if not val_rows:
+        return {}
+    with runner.autocast():
+        m = evaluate(prm, val_rows, cfg.threshold)
+    runner.model.train()
+    line = {"step": runner.step, **{f"val_{k}": v for k, v in m.items()}}
+    if runner._metrics_file is not None:  # during training: the runner's log
+        runner.log(line)
+    elif runner.rank == 0:  # after it: append to the same file
+        with open(runner.out / "metrics.jsonl", "a") as fh:
+            fh.write(json.dumps(line) + "\n")
+    if runner.rank == 0:
+        print(f"step {runner.step}: val auc {m.get('auc')} acc {m.get('accuracy')} "
+              f"bce {m.get('bce')} ({m.get('steps')} steps)", file=sys.stderr, flush=True)
+    return m
+
+
+def train(cfg: PRMConfig) -> dict[str, Any]:
+    """Train and write ``cfg.out``; returns the final training and validation metrics."""
+    from reward_models.label_files import LabelFileError, label_files, load_label_dir
+
+    try:
+        files = [str(f) for d in cfg.data for f in label_files(d)]
+        rows = [r for d in cfg.data for r in load_label_dir(d)]
+    except LabelFileError as exc:
+        raise TrainError(str(exc)) from None
+    cfg = cfg.model_copy(update={"data": files})
+    runner, prm, train_rows, val_rows = build(cfg, rows)
+    print(f"prm: {len(train_rows)} train rows ({sum(len(r['completions']) for r in train_rows)} steps), "
+          f"{len(val_rows)} validation rows, {runner.trainable_parameters:,} trainable parameters, "
+          f"{runner.max_steps} steps on {runner.device}", file=sys.stderr, flush=True)
+    last = runner.train()
+    val = _validate(runner, prm, val_rows, cfg)
+    runner.write_marker(validation=val, train_rows=len(train_rows), val_rows=len(val_rows),
+                        reward_model=prm.config())
+    return {"train": last, "validation": val}
+
+
+# --- the command ------------------------------------------------------------------------------------
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", required=True, action="extend", nargs="+",
+                   help="label folder(s) written by omrl label, or label files")
+    p.add_argument("--base", required=True, help="backbone: an HF folder or smollm2")
+    p.add_argument("--out", required=True, help="output folder (loads with prm:OUT)")
+    p.add_argument("--config", help="YAML file of PRMConfig settings")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="any PRMConfig setting, e.g. --set keep_layers=8 --set train_layers=2")
+    for flag, kw in (("--epochs", {"type": float}), ("--lr", {"type": float}),
+                     ("--batch-size", {"type": int}), ("--max-steps", {"type": int}),
+                     ("--keep-layers", {"type": int}), ("--train-layers", {"type": int}),
+                     ("--max-rows", {"type": int}),
+                     ("--val-fraction", {"type": float}), ("--eval-every", {"type": int}),
+                     ("--save-every", {"type": int}), ("--seed", {"type": int}),
+                     ("--objective", {"choices": ["process", "outcome"]}),
+                     ("--read", {"choices": ["observation", "step"]}),
+                     ("--device", {}), ("--dtype", {"choices": ["auto", "float32", "bfloat16"]})):
+        p.add_argument(flag, default=None, **kw)
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def config_from_args(args: argparse.Namespace) -> PRMConfig:
+    """YAML < ``--set`` items < the explicit flags."""
+    cfg = PRMConfig.from_sources(args.config, list(args.set))
+    flags: dict[str, Any] = {"model": args.base, "out": args.out, "data": list(args.data)}
+    for key in ("epochs", "lr", "batch_size", "max_steps", "keep_layers", "train_layers", "max_rows",
+                "val_fraction", "eval_every", "save_every", "seed", "objective", "read", "device", "dtype"):
+        if getattr(args, key, None) is not None:
+            flags[key] = getattr(args, key)
+    if args.resume:
+        flags["resume"] = True
+    if args.no_progress:
+        flags["progress"] = False
+    return PRMConfig.from_sources(None, {**cfg.model_dump(), **flags})
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        result = train(config_from_args(args))
+    except TrainError as exc:
+        print(f"omrl train: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({"out": args.out, **result}, default=str))
+    return 0
