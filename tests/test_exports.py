@@ -1,0 +1,205 @@
+"""Exports from search trees: SFT (rejection sampling), DPO pairs, GRPO groups, OpenManus import;
+exact segments, HF-datasets-loadable parquet, one-line errors, and a core that never imports train."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import omrl_search as om
+from omrl_search.exports import (ExportError, dpo_rows, export, grpo_rows, node_values,
+                                 openmanus_rows, sft_rows)
+
+pq = pytest.importorskip("pyarrow.parquet")
+
+
+@pytest.fixture(scope="module")
+def results():
+    tasks = om.load_tasks("game24", "train", limit=6)
+    return om.search_many(tasks, strategy="best_of_n:n=4", policy="scripted:oracle:p=0.4", seed=0)
+
+
+@pytest.fixture(scope="module")
+def results_file(results, tmp_path_factory):
+    path = tmp_path_factory.mktemp("exports") / "results.jsonl"
+    om.write_results(path, results)
+    return path
+
+
+def _ids(segs):
+    return [t for s in segs for t in s["token_ids"]]
+
+
+def _prefix(segs):
+    out = []
+    for s in segs:
+        if s["trainable"]:
+            break
+        out += s["token_ids"]
+    return out
+
+
+def test_sft_rows_are_top_k_successes_with_exact_segments(results):
+    rows = sft_rows(results, top_k=2)
+    assert rows and all(r["reward"] == 1.0 for r in rows)
+    per_task = {}
+    for r in rows:
+        per_task.setdefault(r["task_id"], []).append(r)
+    assert max(len(v) for v in per_task.values()) <= 2
+    solved = {r.task.task_id for r in results if any(n.success for n in r.tree.terminals())}
+    assert set(per_task) == solved
+    for res in results:  # the kept rows are the shortest successful paths, exactly as recorded
+        kept = per_task.get(res.task.task_id)
+        if not kept:
+            continue
+        best = min(n.depth for n in res.tree.terminals() if n.success)
+        assert kept[0]["steps"] == best
+        leaf = next(n for n in res.tree.terminals() if n.success and n.depth == best
+                    and [s.completion for s in res.tree.trajectory(n).steps]
+                    == [m["content"] for m in kept[0]["messages"] if m["role"] == "assistant"])
+        want = res.tree.trajectory(leaf).segments()
+        got = kept[0]["segments"]
+        assert [s["token_ids"] for s in got] == [s.token_ids for s in want]
+        assert [s["role"] for s in got] == [s.role for s in want]
+        assert [s["trainable"] for s in got] == [s.role == "assistant" for s in want]
+
+
+def test_sft_masks_invalid_steps(results):
+    res = results[0]
+    leaf = next(n for n in res.tree.terminals())
+    res.tree.nodes[leaf.parent].step.valid = False  # pretend an earlier step was invalid
+    leaf.success = True
+    try:
+        row = next(r for r in sft_rows([res], top_k=10) if r["steps"] == leaf.depth)
+        flags = [s["trainable"] for s in row["segments"] if s["role"] == "assistant"]
+        assert False in flags and True in flags
+    finally:
+        res.tree.nodes[leaf.parent].step.valid = True
+
+
+def test_dpo_pairs_share_their_prefix_and_differ_by_margin(results):
+    rows = dpo_rows(results, margin=0.5)
+    assert rows
+    for r in rows:
+        assert r["chosen_value"] - r["rejected_value"] >= 0.5
+        c, j = r["chosen_segments"], r["rejected_segments"]
+        assert _prefix(c) == _prefix(j) and _prefix(c)
+        assert _ids(c) != _ids(j)
+        assert r["chosen"][0]["role"] == "assistant" and r["prompt"][-1]["role"] == "user"
+        # step-level pairs: exactly one trainable turn each
+        assert sum(s["trainable"] for s in c) == 1 == sum(s["trainable"] for s in j)
+    traj = dpo_rows(results, margin=0.5, unit="trajectory")
+    assert all(r["chosen_value"] > r["rejected_value"] for r in traj)
+
+
+def test_grpo_groups_carry_logprobs_and_outcomes(results):
+    rows = grpo_rows(results)
+    groups = {}
+    for r in rows:
+        groups.setdefault(r["group_id"], []).append(r)
+    assert len(groups) == len(results)  # best-of-4: one group of siblings at each root
+    for members in groups.values():
+        assert len(members) == 4
+        assert len({tuple(_prefix(m["segments"])) for m in members}) == 1
+        for m in members:
+            assert m["reward"] == float(m["success"])
+            for s in m["segments"]:
+                if s["trainable"]:
+                    assert s["role"] == "assistant" and len(s["logprobs"]) == len(s["token_ids"])
+    step_rows = grpo_rows(results, unit="step")
+    vals = node_values(results[0].tree)
+    root_kids = results[0].tree.root.children
+    assert sorted(r["reward"] for r in step_rows if r["task_id"] == results[0].task.task_id) == \
+        sorted(vals[c] for c in root_kids)
+
+
+def test_parquet_loads_with_hf_datasets(results_file, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    for kind, cols in (("sft", {"messages", "segments"}), ("dpo", {"prompt", "chosen", "rejected"}),
+                       ("grpo", {"prompt", "completion", "reward", "group_id"})):
+        path, n = export(kind, [results_file], tmp_path / f"{kind}.parquet")
+        ds = datasets.load_dataset("parquet", data_files=str(path))["train"]
+        assert len(ds) == n and cols <= set(ds.column_names)
+        meta = pq.read_schema(path).metadata
+        assert meta[b"omrl.kind"] == kind.encode()
+
+
+def test_retokenized_segments_render_the_chat_template(results, tiny_hf_model):
+    """Re-encoding turn by turn gives exactly the ids of the chat template over the whole chat,
+    and the engine's first prompt."""
+    from transformers import AutoTokenizer
+
+    from omrl_search.exports import load_encoder
+
+    enc = load_encoder(tiny_hf_model)
+    hf = AutoTokenizer.from_pretrained(tiny_hf_model)
+    rows = sft_rows(results, tokenizer=enc)
+    for row in rows[:3]:
+        msgs = row["messages"][:-1]  # the last observation is not part of the sequence
+        text = hf.apply_chat_template(msgs, tokenize=False).rstrip("\n")  # ends on <|im_end|>
+        assert _ids(row["segments"]) == hf.encode(text, add_special_tokens=False)
+        assert all(s["logprobs"] is None for s in row["segments"])
+        first = enc.first_prompt(row["messages"][:2])
+        assert row["segments"][0]["token_ids"] == first
+
+
+OPENMANUS = {"id": "os_0", "conversations": [
+    {"role": "user", "content": "Count files in /etc"},
+    {"role": "assistant", "content": "Think: Need reliable counting method\nAct: bash\n```bash\nls -1 /etc | wc -l\n```"},
+    {"role": "user", "content": "OS Output: 220"},
+    {"role": "assistant", "content": "Think: Verified through execution\nAct: answer(220)"}]}
+
+
+def test_openmanus_import(tmp_path, tiny_hf_model):
+    from omrl_search.exports import load_encoder
+
+    src = tmp_path / "om.jsonl"
+    src.write_text(json.dumps(OPENMANUS) + "\n" + json.dumps(
+        {"id": "x", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "Act: wave"}]}) + "\n")
+    rows = openmanus_rows(src, load_encoder(tiny_hf_model))
+    assert [r["task_id"] for r in rows] == ["os_0", "x"]
+    segs = rows[0]["segments"]
+    assert [s["role"] for s in segs] == ["context", "assistant", "context", "assistant"]
+    assert [s["trainable"] for s in segs] == [False, True, False, True]
+    path, n = export("openmanus", [src], tmp_path / "om.parquet")
+    assert n == 2 and pq.read_table(path).num_rows == 2
+
+
+@pytest.mark.parametrize("record,reason", [
+    ({"id": 1}, "missing 'conversations' list"),
+    ({"id": 1, "conversations": [{"role": "user", "content": "q"}]}, "empty trajectory"),
+    ({"id": 1, "conversations": [{"role": "wizard", "content": "q"}]}, "turn 0: needs a known role"),
+])
+def test_openmanus_bad_rows_name_file_and_row(tmp_path, record, reason):
+    src = tmp_path / "bad.jsonl"
+    src.write_text(json.dumps(OPENMANUS) + "\n" + json.dumps(record) + "\n")
+    with pytest.raises(ExportError) as err:
+        openmanus_rows(src)
+    assert str(err.value).startswith(f"{src}:2: ") and reason in str(err.value)
+
+
+def test_cli_export_and_errors(results_file, tmp_path, capsys):
+    from omrl_search.cli import main
+
+    out = tmp_path / "dpo.parquet"
+    assert main(["export", "dpo", str(results_file), "--out", str(out), "--margin", "0.5"]) == 0
+    assert "dpo rows" in capsys.readouterr().out and pq.read_table(out).num_rows > 0
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"task": {}}\n')
+    assert main(["export", "sft", str(bad), "--out", str(tmp_path / "x.parquet")]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:1:" in err and len(err.strip().splitlines()) == 1
+    assert main(["export", "sft", str(results_file), "--out", str(tmp_path / "y.parquet"),
+                 "--min-reward", "2"]) == 2
+    assert "nothing written" in capsys.readouterr().err
+    assert not (tmp_path / "x.parquet").exists() and not (tmp_path / "y.parquet").exists()
+
+
+def test_core_never_imports_train_or_torch():
+    code = ("import sys, omrl_search, omrl_search.exports, omrl_search.cli;"
+            "bad=[m for m in sys.modules if m.split('.')[0] in ('train','torch','pyarrow')];"
+            "print(bad); sys.exit(1 if bad else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,0 +1,102 @@
+"""DPO (sigmoid, IPO, hinge) on sibling pairs: loss on the continuation tokens only.
+
+The reference is the initial policy: with LoRA the base with the adapter disabled, otherwise a
+frozen copy, or ``ref_model`` (another HF folder). ``reference: precomputed`` computes the
+reference log-probabilities once before training (no second model in memory during training);
+``reference: model`` runs the reference in every step.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from .common import Reference, make_builder, pad_id, policy_logprobs
+from .data import PairRow, collate_pairs, load_dpo
+from .losses import dpo_loss
+from .runtime import ListSource, Runner, TrainConfig, load_model
+
+
+class DPOConfig(TrainConfig):
+    beta: float = Field(0.1, gt=0)
+    loss: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    reference: Literal["precomputed", "model"] = "precomputed"
+    ref_model: str | None = None  # an HF folder; default: the initial policy
+
+
+def seq_logps(lp: Any, mask: Any, mean: bool) -> Any:
+    """Sum (or, for IPO, mean) of token logprobs over the loss mask, per sequence."""
+    s = (lp * mask).sum(-1)
+    return s / mask.sum(-1).clamp(min=1.0) if mean else s
+
+
+def dpo_loss_fn(cfg: DPOConfig, reference: Reference | None):
+    """``loss_fn(model, batch)``; the batch is ``collate_pairs`` (chosen rows, then rejected),
+    with ``ref_logps`` ``[2B]`` attached when precomputed."""
+    mean = cfg.loss == "ipo"
+
+    def loss_fn(model: Any, batch: dict[str, Any]) -> tuple[Any, dict[str, float]]:
+        mask = batch["loss_mask"]
+        logps = seq_logps(policy_logprobs(model, batch), mask, mean)
+        if "ref_logps" in batch:
+            ref = batch["ref_logps"]
+        else:
+            ref = seq_logps(reference.logprobs(model, batch), mask, mean)
+        c, r = logps.chunk(2)
+        rc, rr = ref.chunk(2)
+        losses, cr, rr_ = dpo_loss(c, r, rc, rr, beta=cfg.beta, kind=cfg.loss,
+                                   label_smoothing=cfg.label_smoothing)
+        return losses.mean(), {"tokens": float(batch["n_tokens"]),
+                               "reward_chosen": float(cr.mean()), "reward_rejected": float(rr_.mean()),
+                               "reward_acc": float((cr > rr_).float().mean())}
+
+    return loss_fn
+
+
+def precompute_reference(runner: Runner, reference: Reference, pairs: list[PairRow],
+                         pid: int, mean: bool, batch_size: int) -> None:
+    """Reference sequence logps of every pair (stored on the rows), with the initial weights."""
+    model = runner.module
+    was = model.training
+    model.eval()
+    for i in range(0, len(pairs), batch_size):
+        chunk = pairs[i:i + batch_size]
+        batch = runner.to_device(collate_pairs(chunk, pid))
+        with runner.autocast():
+            ref = seq_logps(reference.logprobs(model, batch), batch["loss_mask"], mean).float().cpu()
+        n = len(chunk)
+        for j, p in enumerate(chunk):
+            p.ref = (float(ref[j]), float(ref[n + j]))
+    model.train(was)
+
+
+def build(cfg: DPOConfig) -> Runner:
+    model, tok = load_model(cfg)
+    pairs = load_dpo(cfg.data, make_builder(cfg, model, tok))
+    pid = pad_id(tok)
+    ref_copy = None
+    if cfg.ref_model:
+        ref_copy, _ = load_model(cfg.model_copy(update={"model": cfg.ref_model, "lora": None}))
+    reference = Reference(model, ref_copy)
+    precomputed = cfg.reference == "precomputed"
+
+    def collate(xs: list[PairRow]) -> dict[str, Any]:
+        import torch
+
+        batch = collate_pairs(xs, pid)
+        if precomputed:
+            batch["ref_logps"] = torch.tensor([p.ref[0] for p in xs] + [p.ref[1] for p in xs],
+                                              dtype=torch.float32)
+        return batch
+
+    runner = Runner(cfg, model, dpo_loss_fn(cfg, None if precomputed else reference),
+                    ListSource(pairs, cfg.batch_size, seed=cfg.seed), collate, tokenizer=tok, kind="dpo")
+    if precomputed:
+        precompute_reference(runner, reference, pairs, pid, cfg.loss == "ipo", cfg.batch_size)
+        reference._copy = None  # free the frozen copy
+    return runner
+
+
+def train(cfg: DPOConfig) -> dict[str, Any]:
+    return build(cfg).train()

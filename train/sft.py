@@ -1,0 +1,45 @@
+"""SFT: masked NLL on the trainable (assistant) tokens of exported trajectories, optionally packed."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from .common import make_builder, pad_id, policy_logprobs
+from .data import collate, collate_packed, load_sft, pack
+from .losses import nll_loss
+from .runtime import ListSource, Runner, TrainConfig, TrainError, load_model
+
+
+class SFTConfig(TrainConfig):
+    packing: bool = False  # pack sequences into rows of max_length (no cross-attention)
+    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+
+
+
+def sft_loss(agg: str = "token-mean"):
+    """``loss_fn(model, batch)`` for the Runner."""
+
+    def loss_fn(model: Any, batch: dict[str, Any]) -> tuple[Any, dict[str, float]]:
+        lp = policy_logprobs(model, batch)
+        loss = nll_loss(lp, batch["loss_mask"], agg)
+        return loss, {"tokens": float(batch["n_tokens"]), "loss_tokens": float(batch["loss_mask"].sum())}
+
+    return loss_fn
+
+
+def build(cfg: SFTConfig) -> Runner:
+    model, tok = load_model(cfg)
+    rows = load_sft(cfg.data, make_builder(cfg, model, tok))
+    pid = pad_id(tok)
+    if cfg.packing:
+        items: list[Any] = pack(rows, cfg.max_length)
+        fn = lambda xs: collate_packed(xs, pid)  # noqa: E731
+    else:
+        items, fn = rows, (lambda xs: collate(xs, pid))
+    if len(items) < cfg.batch_size:
+        raise TrainError(f"{len(items)} training rows cannot fill a batch of {cfg.batch_size}")
+    source = ListSource(items, cfg.batch_size, seed=cfg.seed)
+    return Runner(cfg, model, sft_loss(cfg.agg), source, fn, tokenizer=tok, kind="sft")
+
+
+def train(cfg: SFTConfig) -> dict[str, Any]:
+    return build(cfg).train()
