@@ -79,6 +79,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # OpenMP threads (torch's and llama.cpp's) spin while they wait; where another process shares
+    # the cores that made SmolLM2 SFT steps 4x slower (52 s against 7-13 s passive, measured on
+    # the 2-core dev VM) and llama.cpp 8-10x. Read when libgomp loads, so set before any import.
+    import os
+
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = _parser().parse_args(argv)
     try:
         if args.command == "search":
