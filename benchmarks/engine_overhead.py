@@ -3,17 +3,20 @@
 Workload: MCTS (rollout values, 4 leaves per round, k=3) and Tree-of-Thoughts BFS (b=5, k=3)
 on Game24 test tasks, all searched in lockstep, with a zero-cost scripted policy (a random
 ``a op b`` move read straight from the request's value snapshot: no env, no solver). The time
-is split into the policy, the env (step, snapshot, restore) and the rest: engine + strategy
-code (selection, prompt and token bookkeeping, tree updates, batching). The figures of merit
-are engine microseconds per node created and, for MCTS, per simulation (selection, expansion
-bookkeeping and backup); per-node Python search libraries spend 100+ µs per node in selection
-alone.
+is split into the policy (which times itself), the env (reset, restore, step, snapshot) and the
+rest: engine + strategy code (selection, prompt and token bookkeeping, tree updates, batching).
+The figures of merit are engine microseconds per node created and, for MCTS, per simulation
+(selection, expansion bookkeeping and backup); per-node Python search libraries spend 100+ µs
+per node in selection alone.
 
     python benchmarks/engine_overhead.py [--tasks 100] [--simulations 200] [--repeat 5] [--profile]
 
 Times are this process's CPU time (``time.process_time``), so other processes on a shared
 machine inflate them less (they still share caches and cores); each workload runs ``--repeat``
-times and the fastest is kept.
+times and the fastest is kept. The search itself runs uninstrumented: the env's share is
+measured afterwards by replaying every tree's env calls on a fresh env. A replay runs with warm
+caches, so it is somewhat cheaper than the same calls inside the search; the engine figure
+carries that difference (a few µs per node), never the other way round.
 
 Prints a table, then as its last line one JSON object with every figure.
 """
@@ -37,6 +40,7 @@ from envs.arith import fmt  # noqa: E402
 from envs.game24 import Game24Env  # noqa: E402
 from omrl_search.engine import Engine  # noqa: E402
 from omrl_search.policy import ByteChatTokenizer  # noqa: E402
+from omrl_search.tree import FAILED  # noqa: E402
 
 OPS = "+-*/"
 #: CPU time of this process: on a shared machine, wall time also counts other processes' turns
@@ -74,38 +78,42 @@ class ZeroCostPolicy(om.Policy):
         return out
 
 
-class TimedGame24(Game24Env):
-    """Game24 that adds the time of its step/snapshot/restore calls to a shared counter."""
+def env_calls(results) -> list[tuple]:
+    """Each tree's env calls in the engine's order: per node that reached the env, the parent's
+    snapshot to restore (None where the env already held that state) and the action."""
+    out = []
+    for r in results:
+        nodes, at, steps = r.tree.nodes, 0, []
+        for n in nodes[1:]:
+            if n.step.action:  # a malformed completion never reaches the env
+                steps.append((nodes[n.parent].snapshot if n.parent != at else None, n.step.action))
+                at = n.id if n.status != FAILED else None
+        out.append((r.task, steps))
+    return out
 
-    clock = [0.0, 0]
 
-    def step(self, action):
-        t0 = CLOCK()
-        try:
-            return super().step(action)
-        finally:
-            self.clock[0] += CLOCK() - t0
-            self.clock[1] += 1
-
-    def snapshot(self):
-        t0 = CLOCK()
-        try:
-            return super().snapshot()
-        finally:
-            self.clock[0] += CLOCK() - t0
-
-    def restore(self, snapshot):
-        t0 = CLOCK()
-        try:
-            return super().restore(snapshot)
-        finally:
-            self.clock[0] += CLOCK() - t0
+def env_seconds(results) -> tuple[float, int]:
+    """CPU time of the searches' env work, measured apart: each tree's calls (reset and
+    snapshot, then restore, step and snapshot per node, as the engine made them) replayed on a
+    fresh env under one clock pair. Timing every call inside the search would add two clock
+    reads per call (~0.6 µs each on a VM) to the figures."""
+    trees = env_calls(results)
+    t0 = CLOCK()
+    for task, steps in trees:
+        env = Game24Env()
+        env.reset(task)
+        env.snapshot()
+        for snap, action in steps:
+            if snap is not None:
+                env.restore(snap)
+            env.step(action)
+            env.snapshot()
+    return CLOCK() - t0, sum(len(steps) for _, steps in trees)
 
 
 def measure(name: str, strategy: str, tasks, profile: bool) -> dict:
     policy = ZeroCostPolicy()
-    TimedGame24.clock[:] = [0.0, 0]
-    engine = Engine(policy, seed=0, env_factory=lambda _: TimedGame24())
+    engine = Engine(policy, seed=0, env_factory=lambda _: Game24Env())
     strat = om.make_strategy(strategy)
     prof = cProfile.Profile() if profile else None
     t0 = CLOCK()
@@ -118,7 +126,7 @@ def measure(name: str, strategy: str, tasks, profile: bool) -> dict:
     nodes = sum(len(r.tree) - 1 for r in results)
     sims = sum(r.tree.root.visits for r in results)  # MCTS: one root visit per simulation
     requests = sum(r.spent["lm_calls"] for r in results)
-    env_s, steps = TimedGame24.clock
+    env_s, steps = env_seconds(results)
     engine_s = cpu - env_s - policy.seconds
     if prof:
         print(f"\n--- cProfile: {name} (top 15 by own time) ---")

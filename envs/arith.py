@@ -40,8 +40,21 @@ class ArithState(NamedTuple):
 
 
 def fmt(x: Number) -> str:
-    """``24``, ``-5`` or ``8/3``: the syntax actions use for numbers."""
-    return str(Fraction(x))
+    """``24``, ``-5`` or ``8/3``: the syntax actions use for numbers (``str`` of an int or a
+    Fraction already is; converting first would cost ~1 µs a number)."""
+    return str(x) if type(x) is Fraction or type(x) is int else str(Fraction(x))
+
+
+def _frac(x: Number) -> Fraction:
+    """``x`` as a Fraction; one already a Fraction is kept (``Fraction(f)`` costs ~1 µs)."""
+    return x if type(x) is Fraction else Fraction(x)
+
+
+def _number(token: str) -> Fraction:
+    """A number token of an action (``-5``, ``8/3``), exactly as ``Fraction(token)`` reads it but
+    without its regex; ``ZeroDivisionError`` for ``x/0``."""
+    num, _, den = token.partition("/")
+    return Fraction(int(num), int(den)) if den else Fraction(int(num))
 
 
 def _norm(x: Number) -> Number:
@@ -61,7 +74,7 @@ def apply_op(a: Number, op: str, b: Number) -> Number | None:
         return None
     if isinstance(a, int) and isinstance(b, int) and a % b == 0:
         return a // b
-    return _norm(Fraction(a) / b)
+    return _norm(_frac(a) / b)
 
 
 def _moves(a: Number, b: Number):
@@ -116,10 +129,10 @@ def _completions(a: Number, t: Number):
     yield a - t, lambda ta, tb: (ta, "-", tb)
     yield t + a, lambda ta, tb: (tb, "-", ta)
     if a != 0:
-        yield _norm(Fraction(t) / a), lambda ta, tb: (ta, "*", tb)
+        yield _norm(_frac(t) / a), lambda ta, tb: (ta, "*", tb)
         yield _norm(t * a), lambda ta, tb: (tb, "/", ta)
         if t != 0:
-            yield _norm(Fraction(a) / t), lambda ta, tb: (ta, "/", tb)
+            yield _norm(_frac(a) / t), lambda ta, tb: (ta, "/", tb)
 
 
 def _lookup(nums: tuple, t: Number, table: int):
@@ -144,9 +157,9 @@ def _find(nums: tuple, t: Number, table: int):
 
 def solve(numbers, target):
     """An expression tree using every number once that equals ``target``, or None (exact)."""
-    nums = tuple(sorted(_norm(Fraction(x)) for x in numbers))
+    nums = tuple(sorted(_norm(_frac(x)) for x in numbers))
     # Tables of 4-multisets pay off when many targets are asked of them (5+ numbers).
-    return _lookup(nums, _norm(Fraction(target)), 3 if len(nums) <= 4 else 4)
+    return _lookup(nums, _norm(_frac(target)), 3 if len(nums) <= 4 else 4)
 
 
 def solvable(numbers, target) -> bool:
@@ -231,6 +244,8 @@ class ArithmeticEnv(ValueSnapshots, Env):
     )
     max_steps = 6
 
+    _shown: tuple[ArithState | None, str] = (None, "")  # observe()'s last state and its text
+
     def __init__(self) -> None:
         self.state: ArithState | None = None
 
@@ -255,8 +270,10 @@ class ArithmeticEnv(ValueSnapshots, Env):
 
     def observe(self) -> str:
         s = self._require()
-        board = f"Numbers left: {' '.join(map(fmt, s.numbers))} | target: {fmt(s.target)}"
-        return f"{s.note}\n{board}" if s.note else board
+        if self._shown[0] is not s:  # snapshot() right after step() shows the same state again
+            board = f"Numbers left: {' '.join(map(fmt, s.numbers))} | target: {fmt(s.target)}"
+            self._shown = (s, f"{s.note}\n{board}" if s.note else board)
+        return self._shown[1]
 
     def step(self, action: str) -> StepResult:
         s = self._require()
@@ -272,18 +289,19 @@ class ArithmeticEnv(ValueSnapshots, Env):
             why = "empty action" if not text else f"cannot parse {text[:60]!r}"
             return self._invalid(why)
         try:
-            a, op, b = Fraction(m.group(1)), _OPS[m.group(2).lower()], Fraction(m.group(3))
+            a, op, b = _number(m.group(1)), _OPS[m.group(2).lower()], _number(m.group(3))
         except ZeroDivisionError:
             return self._invalid("a number has a zero denominator")
         rest = list(s.numbers)
         for x in (a, b):
-            if x not in rest:
+            try:
+                rest.remove(x)
+            except ValueError:
                 return self._invalid(f"{fmt(x)} is not among the numbers left")
-            rest.remove(x)
         value = apply_op(a, op, b)
         if value is None:
             return self._invalid("division by zero")
-        rest.append(Fraction(value))
+        rest.append(_frac(value))
         note = f"{fmt(a)} {op} {fmt(b)} = {fmt(value)}"
         return self._advance(numbers=tuple(sorted(rest)), note=note)
 

@@ -15,6 +15,7 @@ failed and is counted as a fault; the search goes on.
 """
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any, Callable, Iterable
 
@@ -205,21 +206,8 @@ class Engine:
             messages = messages[:-1] + [last]
         context_ids = prompt_ids = None
         if self.encoder is not None:
-            if node.parent is None:
-                context_ids = self.encoder.first_prompt(messages)
-                prompt_ids = context_ids
-            else:
-                context_ids = self.encoder.observation_turn(
-                    messages[-1]["content"], node.step.completion_ids or [])
-                prompt_ids = []
-                nodes, cur = ctx.tree.nodes, node
-                parts = [context_ids]
-                while cur.parent is not None:
-                    parts.append(cur.step.completion_ids or [])
-                    parts.append(cur.step.context_ids or [])
-                    cur = nodes[cur.parent]
-                for part in reversed(parts):
-                    prompt_ids += part
+            context_ids = self._context_ids(node, messages)
+            prompt_ids = context_ids if node.parent is None else self._prompt_ids(ctx, node, context_ids)
         ctx.calls += 1
         s = self.sampling
         params = SamplingParams(s.temperature if temperature is None else temperature, s.top_p,
@@ -227,6 +215,27 @@ class Engine:
                                 _mix(ctx.seed, node.id, ctx.calls))
         meta = {"task": ctx.task, "snapshot": node.snapshot, "env": ctx.task.env}
         return context_ids, GenRequest(messages, params, prompt_ids, meta)
+
+    def _context_ids(self, node: Node, messages: list[dict[str, str]]) -> list[int]:
+        """The prompt ids added before a step from ``node``: the whole first prompt at the root,
+        else the turn that shows ``node``'s observation (the last message)."""
+        if node.parent is None:
+            return self.encoder.first_prompt(messages)
+        return self.encoder.observation_turn(messages[-1]["content"], node.step.completion_ids or [])
+
+    @staticmethod
+    def _prompt_ids(ctx: SearchContext, node: Node, tail: list[int]) -> list[int]:
+        """The exact ids the policy sees at ``node``: each step's context and completion ids
+        along the path, then ``tail``, copied once into a new list (never re-rendered)."""
+        parts, nodes = [tail], ctx.tree.nodes
+        while node.parent is not None:
+            step = node.step
+            parts += (step.completion_ids or (), step.context_ids or ())
+            node = nodes[node.parent]
+        out: list[int] = []
+        for part in reversed(parts):
+            out += part
+        return out
 
     def _ask_request(self, ctx: SearchContext, node: Node, prompt: Any, n: int,
                      temperature: float | None, max_tokens: int | None,
@@ -311,9 +320,7 @@ class Engine:
         """Children from given completion texts (no LM call): see ``SearchContext.apply``."""
         context_ids = None
         if self.encoder is not None:
-            context_ids = (self.encoder.first_prompt(self._messages(ctx, node))
-                           if node.parent is None else self.encoder.observation_turn(
-                               self._messages(ctx, node)[-1]["content"], node.step.completion_ids or []))
+            context_ids = self._context_ids(node, self._messages(ctx, node))
         encode = self.encoder.tok.encode if self.encoder is not None else (lambda _: [])
         gens = [Generation(text, encode(text), None, 0, 0) for text in completions]
         node.status = EXPANDED if node.status != TERMINAL else node.status
@@ -403,7 +410,5 @@ class Engine:
 
 def _mix(*parts: Any) -> int:
     """A deterministic 63-bit seed from parts (``hash`` of str is salted per process)."""
-    import hashlib
-
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 1

@@ -126,17 +126,18 @@ class MCTS(Strategy):
 
     def _descend(self, ctx):
         """One PUCT descent from the root with a virtual loss on its path; None when every
-        branch is a dead end."""
-        kids_of, dead, c_puct, root = ctx.scratch["kids"], ctx.scratch["dead"], self.c_puct, ctx.root
-        widen = self._widens if self.widen else (lambda ctx, node: False)
+        branch is a dead end. (The hot loop of a search: locals only, no calls per child.)"""
+        kids_of, dead, root = ctx.scratch["kids"], ctx.scratch["dead"], ctx.tree.nodes[0]
+        c_puct, sqrt, widens = self.c_puct, math.sqrt, self._widens if self.widen else None
         while root.id not in dead:
             node, path = root, [root]
-            while not node.terminal and not widen(ctx, node):
+            while not node.terminal and not (widens and widens(ctx, node)):
                 kids = kids_of.get(node.id)
                 if not kids:  # None: not expanded yet, the leaf; []: a dead end
                     break
-                explore = c_puct * math.sqrt(node.visits or 1)
-                fpu = node.value_sum / node.visits if node.visits else 0.0
+                visits = node.visits
+                explore = c_puct * sqrt(visits or 1)
+                fpu = node.value_sum / visits if visits else 0.0
                 best, top = None, -math.inf
                 for c in kids:
                     n = c.visits
@@ -145,7 +146,7 @@ class MCTS(Strategy):
                         best, top = c, score
                 node = best
                 path.append(node)
-            if kids_of.get(node.id) == [] and not widen(ctx, node):
+            if kids_of.get(node.id) == [] and not (widens and widens(ctx, node)):
                 self._kill(ctx, node)
                 continue
             for n in path:
@@ -186,9 +187,13 @@ class MCTS(Strategy):
     # --- backup and reflection -----------------------------------------------------------------
     def _backup(self, ctx, node, v: float) -> None:
         ctx.scratch["sims"] += 1
-        for n in ctx.tree.path(node):
-            n.visits += 1
-            n.value_sum += v
+        nodes = ctx.tree.nodes
+        while True:  # up the tree edges to the root
+            node.visits += 1
+            node.value_sum += v
+            if node.parent is None:
+                return
+            node = nodes[node.parent]
 
     def _note(self, ctx) -> str:
         return "Reflections on earlier failed attempts:\n" + "\n".join(

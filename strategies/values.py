@@ -22,6 +22,8 @@ scored once.
 from __future__ import annotations
 
 import math
+from itertools import chain
+from operator import attrgetter
 from typing import Any, Callable, Iterable, Sequence
 
 from omrl_search.reward import AGGREGATIONS, aggregate
@@ -43,17 +45,22 @@ class ValueSource:
 
     async def __call__(self, ctx, nodes: Sequence[Node]) -> list[float]:
         cache = ctx.scratch.setdefault(("value", self.name), {})
-        key = (lambda n: n.state_key) if self.by_state else (lambda n: n.id)
-        paths = [[n] if self.agg == "last" else ctx.tree.path(n)[1:] for n in nodes]
+        key = attrgetter("state_key" if self.by_state else "id")
+        last = self.agg == "last"  # each node's own value: no path to walk
+        paths = None if last else [ctx.tree.path(n)[1:] for n in nodes]
         todo: dict[Any, Node] = {}
-        for path in paths:
-            for n in path:
-                if n.status != FAILED and key(n) not in cache:
-                    todo.setdefault(key(n), n)
+        for n in nodes if last else chain.from_iterable(paths):
+            if n.status != FAILED and key(n) not in cache:
+                todo.setdefault(key(n), n)
         if todo:
             cache.update(zip(todo, await self.step_values(ctx, list(todo.values()))))
-        return [aggregate([cache[key(n)] if n.status != FAILED else 0.0 for n in p], self.agg)
-                for p in paths]
+
+        def value(n: Node) -> float:
+            return cache[key(n)] if n.status != FAILED else 0.0
+
+        if last:
+            return [value(n) for n in nodes]
+        return [aggregate([value(n) for n in p], self.agg) for p in paths]
 
     async def step_values(self, ctx, nodes: list[Node]) -> list[float]:  # pragma: no cover
         raise NotImplementedError
