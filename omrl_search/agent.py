@@ -115,6 +115,12 @@ class TurnEncoder:
         self._close_text = self._close.rstrip("\n ")
         self._close_ids = tokenizer.encode(self._close_text) if self._close_text else []
 
+    @property
+    def close_ids(self) -> list[int]:
+        """The ids that end an assistant turn (e.g. ``<|im_end|>``): appended to demonstration
+        completions that a policy would have ended itself."""
+        return list(self._close_ids)
+
     def first_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         return self.tok.encode(self.tok.render(messages, add_generation_prompt=True))
 

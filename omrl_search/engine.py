@@ -400,6 +400,7 @@ class Engine:
         out: dict[int, list[float]] = {i: [] for i, _ in ops}
         for (i, ctx, node, _), v in zip(flat, values):
             ctx.budget.charge(rm_calls=1)
+            ctx.verifier_used |= rm.uses_verifier
             if isinstance(v, Exception):
                 ctx.faults.append(f"rm: {type(v).__name__}: {v}")
                 v = 0.0

@@ -70,7 +70,7 @@ def segments_from_messages(messages: Sequence[dict[str, str]], encoder: TurnEnco
                          "the chat starts with an assistant turn (no prompt)")
     segs = [{"role": "context", "token_ids": encoder.first_prompt(list(messages[:first])),
              "logprobs": None, "trainable": False}]
-    close = list(getattr(encoder, "_close_ids", []))
+    close = encoder.close_ids
     last_ids: list[int] = []
     k = 0
     prev = "assistant"

@@ -35,6 +35,8 @@ class RewardModel(ABC):
 
     name: str = "reward_model"
     aggregation: str = "last"
+    #: True when scores read the env's success check (results then say ``verifier_in_loop``)
+    uses_verifier: bool = False
 
     @abstractmethod
     def score(self, prefixes: list[Trajectory]) -> list[list[float]]:

@@ -53,6 +53,9 @@ class RuleReward(RewardModel):
             raise ValueError(f"unknown aggregation {aggregation!r} (known: {', '.join(AGGREGATIONS)})")
         self.weights, self.aggregation = dict(weights), aggregation
         self.name = "rules:" + ",".join(f"{k}={v}" for k, v in self.weights.items())
+        # outcome and env rewards read the env's own success check: a search selecting by them
+        # has the verifier in the loop (its results are flagged, as best_of_n:select_by=verifier)
+        self.uses_verifier = any(self.weights.get(k) for k in ("outcome", "env"))
 
     def score(self, prefixes: list[Trajectory]) -> list[list[float]]:
         rules = [(RULES[k], w) for k, w in self.weights.items()]

@@ -160,3 +160,11 @@ def test_one_unparsable_judge_answer_faults_only_its_prefix_under_explicit_aggre
     scored = [n.score for n in r.tree.nodes if n.score is not None]
     assert len(faults) == 1 and scored.count(0.0) == 1
     assert scored.count(0.7) == len(scored) - 1 >= 2
+
+
+def test_rewards_that_read_the_env_success_flag_the_verifier():
+    task = om.load_tasks("game24", "test", limit=2)
+    kw = dict(strategy="best_of_n:n=2", policy="scripted:oracle:p=0.3")
+    assert all(r.verifier_in_loop for r in om.search_many(task, reward_model="rules:outcome=1", **kw))
+    assert all(r.verifier_in_loop for r in om.search_many(task, reward_model="rules:env=1", **kw))
+    assert not any(r.verifier_in_loop for r in om.search_many(task, reward_model="rules:format=1", **kw))
