@@ -6,8 +6,7 @@ on Game24 test tasks, all searched in lockstep, with a zero-cost scripted policy
 is split into the policy (which times itself), the env (reset, restore, step, snapshot) and the
 rest: engine + strategy code (selection, prompt and token bookkeeping, tree updates, batching).
 The figures of merit are engine microseconds per node created and, for MCTS, per simulation
-(selection, expansion bookkeeping and backup); per-node Python search libraries spend 100+ µs
-per node in selection alone.
+(selection, expansion bookkeeping and backup).
 
     python benchmarks/engine_overhead.py [--tasks 100] [--simulations 200] [--repeat 5] [--profile]
 
