@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from typing import Any, Sequence
 
-from ..policy import Policy, PolicyError, register_policy, require
+from ..policy import Policy, PolicyError, from_path_spec, register_policy, require
 from ..types import GenRequest, Generation
 from .hf_tokenizer import HFChatTokenizer
 
@@ -413,25 +413,6 @@ def _shared_prefix(prompts: list[list[int]]) -> int:
     return max(n, 0)
 
 
-def _split_options(arg: str) -> tuple[str, dict[str, Any]]:
-    """``PATH`` or ``PATH:key=value,...`` -> (path, options)."""
-    from ..specs import SpecError, parse_kv
-
-    head, sep, tail = arg.rpartition(":")
-    if sep and "=" in tail and not os.path.exists(arg):
-        try:
-            return head, parse_kv(tail, "backend options")
-        except SpecError as exc:
-            raise PolicyError(str(exc)) from None
-    return arg, {}
-
-
 @register_policy("hf")
 def _make_hf(arg: str) -> Policy:
-    path, opts = _split_options(arg)
-    if not path:
-        raise PolicyError("hf: give a model folder, e.g. hf:/path/to/model")
-    try:
-        return HFPolicy(path, **opts)
-    except TypeError as exc:
-        raise PolicyError(f"hf: {exc}") from None
+    return from_path_spec("hf", HFPolicy, arg, "a model folder, e.g. hf:/path/to/model")

@@ -32,9 +32,9 @@ import logging
 import os
 from typing import Any, Sequence
 
-from ..policy import Policy, PolicyError, register_policy, require
+from ..policy import Policy, PolicyError, from_path_spec, register_policy, require
 from ..types import GenRequest, Generation
-from .hf import Row, _split_options
+from .hf import Row
 from .hf_tokenizer import CHATML_TEMPLATE, compile_chat_template
 
 _BACKEND_READY = False
@@ -493,10 +493,5 @@ def _sample(np: Any, logits: Any, params: list[Any], rng: Any) -> tuple[Any, Any
 
 @register_policy("llamacpp")
 def _make_llamacpp(arg: str) -> Policy:
-    path, opts = _split_options(arg)
-    if not path:
-        raise PolicyError("llamacpp: give a GGUF file, e.g. llamacpp:/path/to/model.gguf")
-    try:
-        return LlamaCppPolicy(path, **opts)
-    except TypeError as exc:
-        raise PolicyError(f"llamacpp: {exc}") from None
+    return from_path_spec("llamacpp", LlamaCppPolicy, arg,
+                          "a GGUF file, e.g. llamacpp:/path/to/model.gguf")
