@@ -138,3 +138,22 @@ def from_path_spec(backend: str, cls: Callable[..., Policy], arg: str, example: 
         return cls(path, **opts)
     except TypeError as exc:
         raise PolicyError(f"{backend}: {exc}") from None
+
+
+def request_prompt_ids(backend: str, req: GenRequest, tokenizer: ChatTokenizer, vocab_size: int,
+                       limit: int, limit_name: str) -> list[int]:
+    """The request's prompt ids (its exact ``prompt_ids``, else its messages rendered and
+    encoded), checked before a backend runs them: not empty, inside the vocabulary, shorter
+    than ``limit`` positions. A bad prompt is a :class:`PolicyError` of that request alone."""
+    if req.prompt_ids is not None:
+        ids = [int(i) for i in req.prompt_ids]
+    else:
+        ids = tokenizer.encode(tokenizer.render(req.messages, add_generation_prompt=True))
+    if not ids:
+        raise PolicyError(f"{backend}: empty prompt")
+    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise PolicyError(f"{backend}: prompt holds token id {bad} outside the vocabulary ({vocab_size})")
+    if len(ids) >= limit:
+        raise PolicyError(f"{backend}: prompt of {len(ids)} tokens does not fit {limit_name}={limit}")
+    return ids

@@ -25,7 +25,8 @@ from __future__ import annotations
 import os
 from typing import Any, Sequence
 
-from ..policy import Policy, PolicyError, from_path_spec, register_policy, require
+from ..policy import (Policy, PolicyError, from_path_spec, register_policy, request_prompt_ids,
+                      require)
 from ..types import GenRequest, Generation
 from .hf_tokenizer import HFChatTokenizer
 
@@ -206,19 +207,8 @@ class HFPolicy(Policy):
 
     # --- generation ---------------------------------------------------------------------
     def _prompt_ids(self, req: GenRequest) -> list[int]:
-        if req.prompt_ids is not None:
-            ids = list(req.prompt_ids)
-        else:
-            ids = self.tokenizer.encode(self.tokenizer.render(req.messages, add_generation_prompt=True))
-        if not ids:
-            raise PolicyError("hf: empty prompt")
-        if max(ids) >= self._vocab_size or min(ids) < 0:
-            raise PolicyError(f"hf: prompt holds a token id outside the vocabulary ({self._vocab_size})")
-        if len(ids) >= self._max_positions:
-            raise PolicyError(
-                f"hf: prompt of {len(ids)} tokens does not fit the model's {self._max_positions} positions"
-            )
-        return ids
+        return request_prompt_ids("hf", req, self.tokenizer, self._vocab_size,
+                                  self._max_positions, "max_position_embeddings")
 
     def generate(self, requests: list[GenRequest]) -> list[list[Generation]]:
         if self.model is None:

@@ -32,7 +32,8 @@ import logging
 import os
 from typing import Any, Sequence
 
-from ..policy import Policy, PolicyError, from_path_spec, register_policy, require
+from ..policy import (Policy, PolicyError, from_path_spec, register_policy, request_prompt_ids,
+                      require)
 from ..types import GenRequest, Generation
 from .hf import Row
 from .hf_tokenizer import CHATML_TEMPLATE, compile_chat_template
@@ -229,18 +230,7 @@ class LlamaCppPolicy(Policy):
 
     # --- generation ---------------------------------------------------------------------
     def _prompt_ids(self, req: GenRequest) -> list[int]:
-        if req.prompt_ids is not None:
-            ids = [int(i) for i in req.prompt_ids]
-        else:
-            ids = self.tokenizer.encode(self.tokenizer.render(req.messages, add_generation_prompt=True))
-        if not ids:
-            raise PolicyError("llamacpp: empty prompt")
-        if len(ids) >= self.n_ctx:
-            raise PolicyError(f"llamacpp: prompt of {len(ids)} tokens does not fit n_ctx={self.n_ctx}")
-        bad = [i for i in ids if not 0 <= i < self.n_vocab]
-        if bad:
-            raise PolicyError(f"llamacpp: prompt holds token id {bad[0]} outside the vocabulary")
-        return ids
+        return request_prompt_ids("llamacpp", req, self.tokenizer, self.n_vocab, self.n_ctx, "n_ctx")
 
     def generate(self, requests: list[GenRequest]) -> list[list[Generation]]:
         if self._ctx is None:
