@@ -235,6 +235,11 @@ def sft_rows(results: Iterable[SearchResult], *, top_k: int = 1, min_reward: flo
     return rows
 
 
+def _check_unit(unit: str) -> None:
+    if unit not in ("step", "trajectory"):
+        raise ExportError(f"unknown unit {unit!r} (step or trajectory)")
+
+
 # --- DPO ------------------------------------------------------------------------------------------
 def dpo_rows(results: Iterable[SearchResult], *, margin: float = 0.5, value: str = "mc",
              unit: str = "step", max_pairs: int = 4, tokenizer: TurnEncoder | None = None
@@ -243,8 +248,7 @@ def dpo_rows(results: Iterable[SearchResult], *, margin: float = 0.5, value: str
     chosen/rejected are the siblings' single turns (step-level DPO); ``"trajectory"``: each
     continues to its best (chosen) / worst (rejected) finished trajectory. At most ``max_pairs``
     per branch point, widest value gaps first."""
-    if unit not in ("step", "trajectory"):
-        raise ExportError(f"unknown unit {unit!r} (step or trajectory)")
+    _check_unit(unit)
     r = _Renderer(tokenizer)
     rows = []
     for res in results:
@@ -293,8 +297,7 @@ def grpo_rows(results: Iterable[SearchResult], *, unit: str = "trajectory", valu
     trajectory below a branch point is a member, its reward the outcome (best-of-N gives the
     classic GRPO group at the root); ``"step"``: each sibling's single turn, its reward the
     sibling's value. Rows carry the behaviour policy's logprobs in their segments."""
-    if unit not in ("step", "trajectory"):
-        raise ExportError(f"unknown unit {unit!r} (step or trajectory)")
+    _check_unit(unit)
     r = _Renderer(tokenizer)
     rows = []
     for res in results:
