@@ -121,17 +121,12 @@ def require(module: str, extra: str) -> Any:
 def from_path_spec(backend: str, cls: Callable[..., Policy], arg: str, example: str) -> Policy:
     """``cls(PATH, **options)`` from a ``PATH`` or ``PATH:key=value,...`` spec argument, with
     one-line :class:`PolicyError` for a missing path, bad options or unknown keywords."""
-    import os
+    from .specs import SpecError, split_path_spec
 
-    from .specs import SpecError, parse_kv
-
-    path, opts = arg, {}
-    head, sep, tail = arg.rpartition(":")
-    if sep and "=" in tail and not os.path.exists(arg):
-        try:
-            path, opts = head, parse_kv(tail, "backend options")
-        except SpecError as exc:
-            raise PolicyError(str(exc)) from None
+    try:
+        path, opts = split_path_spec(arg, "backend options")
+    except SpecError as exc:
+        raise PolicyError(str(exc)) from None
     if not path:
         raise PolicyError(f"{backend}: give {example}")
     try:

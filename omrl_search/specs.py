@@ -42,3 +42,14 @@ def parse_spec(spec: str, what: str = "spec") -> tuple[str, dict[str, Any]]:
     if not name.strip():
         raise SpecError(f"bad {what} {spec!r}: missing name")
     return name.strip(), parse_kv(rest, what)
+
+
+def split_path_spec(arg: str, what: str = "options") -> tuple[str, dict[str, Any]]:
+    """``"PATH"`` or ``"PATH:key=value,..."`` -> ``(PATH, options)``. A path that exists as given
+    is never split (it may contain a colon)."""
+    import os
+
+    head, sep, tail = arg.rpartition(":")
+    if sep and "=" in tail and not os.path.exists(arg):
+        return head, parse_kv(tail, what)
+    return arg, {}

@@ -25,7 +25,7 @@ import tempfile
 from typing import Any, Iterator, Sequence
 
 from omrl_search.reward import AGGREGATIONS, RewardModel, register_reward_model
-from omrl_search.specs import parse_kv
+from omrl_search.specs import split_path_spec
 from omrl_search.tree import Trajectory
 
 from .inputs import INPUTS, READS, Episode, StepEncoder, episode_from_trajectory
@@ -269,19 +269,11 @@ class ProcessRewardModel(RewardModel):
         return out
 
 
-def split_path_options(arg: str) -> tuple[str, dict[str, Any]]:
-    """``PATH`` or ``PATH:key=value,...`` -> (path, options)."""
-    head, sep, tail = arg.rpartition(":")
-    if sep and "=" in tail and not os.path.exists(arg):
-        return head, parse_kv(tail, "reward model options")
-    return arg, {}
-
-
 _OPTIONS = {"device", "dtype", "aggregation", "read", "input", "batch_size", "max_length"}
 
 
 def load_spec(cls: type, arg: str) -> ProcessRewardModel:
-    path, opts = split_path_options(arg)
+    path, opts = split_path_spec(arg, "reward model options")
     if not path:
         raise ValueError(f"{cls.kind}: give a saved model folder, e.g. {cls.kind}:runs/prm")
     bad = sorted(set(opts) - _OPTIONS)
