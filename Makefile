@@ -7,12 +7,15 @@ STAMP  := $(VENV)/.installed
 .PHONY: install demo test test-slow bench-backends clean
 
 $(STAMP): pyproject.toml Makefile
+	# System packages: bubblewrap (the os env's sandbox), Chromium (the report page's browser test).
+	command -v bwrap >/dev/null && command -v chromium >/dev/null || \
+	    { apt-get update -q && apt-get install -y -q bubblewrap chromium; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# CPU build of torch first: any other torch spec pulls gigabytes of CUDA packages.
 	$(BIN)/pip install -q torch==2.13.0
 	# llama-cpp-python compiles on first install (about 5 minutes; pip caches the wheel).
-	$(BIN)/pip install -q -e '.[hf,llamacpp,train,deepspeed,dev]'
+	$(BIN)/pip install -q -e '.[hf,llamacpp,train,deepspeed,envs,serve,openai,ray,dev]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -30,7 +30,8 @@ class UsageError(Exception):
 #: sub-commands that live in their own modules: each has ``configure(parser)`` and ``run(args)``
 #: (modules must import cheaply: torch and friends only inside ``run``)
 PLUGINS = {"bench": "omrl_search.bench", "export": "omrl_search.exports",
-           "label": "reward_models.labels", "train": "train.cli"}
+           "label": "reward_models.labels", "train": "train.cli", "env": "envs.server",
+           "loop": "train.loop", "report": "omrl_search.report"}
 
 
 def _plugin(name: str):

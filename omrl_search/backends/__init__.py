@@ -1,13 +1,13 @@
 """Policy backends; importing this package registers their spec names.
 
-Each backend module imports its heavy dependency (torch, llama_cpp) only when a policy is built,
-so ``import omrl_search`` stays light.
+Every public module here is a backend and is imported (``hf_tokenizer`` and ``_``-prefixed
+modules are helpers, imported by the backends that use them). Each backend imports its heavy
+dependency (torch, llama_cpp, vllm, httpx) only when a policy is built, so ``import
+omrl_search`` stays light.
 """
-from . import scripted  # noqa: F401
+import importlib as _importlib
+import pkgutil as _pkgutil
 
-for _name in ("hf", "llamacpp", "smollm2"):
-    try:
-        __import__(f"{__name__}.{_name}")
-    except ImportError as _exc:  # a module not written yet or a broken optional install
-        if _exc.name != f"{__name__}.{_name}":
-            raise
+for _mod in sorted(m.name for m in _pkgutil.iter_modules(__path__)):
+    if not _mod.startswith("_") and _mod != "hf_tokenizer":
+        _importlib.import_module(f"{__name__}.{_mod}")
