@@ -25,49 +25,9 @@ from train.runtime import TrainConfig, TrainError  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _corpus():
-    """Text like the training data: the engine's game24 prompts, completions and observations."""
-    from omrl_search.agent import ReActFormat
-    from omrl_search.env import make_env
-
-    fmt, env = ReActFormat(), make_env("game24")
-    out = []
-    for task in om.load_tasks("game24", "train", limit=40):
-        obs = env.reset(task)
-        out += [m["content"] for m in fmt.first_messages(env, task, obs)]
-        out.append(f"Think: Following the plan.\nAct: {env.expert_action()}")
-    return out * 3
-
-
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A tiny random Llama with a ChatML BPE tokenizer trained on game24 prompts (so sequences
-    are a few hundred tokens, not a thousand characters): fast trainer tests."""
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from conftest import CHATML
-
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    tk.train_from_iterator(_corpus(), trainer=trainers.BpeTrainer(
-        vocab_size=1200, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>",
-                                               pad_token="<|endoftext|>",
-                                               additional_special_tokens=["<|im_start|>"])
-    tok.chat_template = CHATML
-    config = transformers.LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        initializer_range=0.3, tie_word_embeddings=False, bos_token_id=None,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("tiny_agent_model")
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return str(folder)
+def model_dir(tiny_agent_model):
+    return tiny_agent_model
 
 
 @pytest.fixture(scope="module")

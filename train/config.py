@@ -7,9 +7,11 @@ values fail with one line naming the file and key. Trainers subclass :class:`Tra
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator, Literal, Sequence
+from typing import Any, Iterator, Literal, Sequence, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class TrainError(Exception):
@@ -72,28 +74,35 @@ class TrainConfig(BaseModel):
     @classmethod
     def from_sources(cls, yaml_path: str | None = None,
                      overrides: dict[str, Any] | Sequence[str] | None = None) -> "TrainConfig":
-        """Defaults < YAML file < overrides (a dict with dotted keys, or ``key=value`` strings
-        whose values are parsed as YAML scalars). Errors name the file or key in one line."""
-        data: dict[str, Any] = {}
-        if yaml_path:
-            import yaml
+        """Defaults < YAML file < overrides (see :func:`settings_from_sources`)."""
+        return settings_from_sources(cls, yaml_path, overrides)
 
-            try:
-                loaded = yaml.safe_load(Path(yaml_path).read_text())
-            except (OSError, yaml.YAMLError) as exc:
-                raise TrainError(f"{yaml_path}: {str(exc).splitlines()[0]}") from None
-            if loaded is not None and not isinstance(loaded, dict):
-                raise TrainError(f"{yaml_path}: a config file must hold a mapping")
-            data = loaded or {}
-        for key, value in _override_items(overrides):
-            _set_dotted(data, key, value)
+
+def settings_from_sources(cls: type[M], yaml_path: str | None = None,
+                          overrides: dict[str, Any] | Sequence[str] | None = None) -> M:
+    """A pydantic settings model from defaults < YAML file < overrides (a dict with dotted keys,
+    or ``key=value`` strings whose values are parsed as YAML scalars). Errors name the file or
+    key in one line (:class:`TrainError`)."""
+    data: dict[str, Any] = {}
+    if yaml_path:
+        import yaml
+
         try:
-            return cls.model_validate(data)
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            where = ".".join(str(p) for p in err["loc"]) or "config"
-            src = f"{yaml_path}: " if yaml_path else ""
-            raise TrainError(f"{src}{where}: {err['msg']}") from None
+            loaded = yaml.safe_load(Path(yaml_path).read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise TrainError(f"{yaml_path}: {str(exc).splitlines()[0]}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise TrainError(f"{yaml_path}: a config file must hold a mapping")
+        data = loaded or {}
+    for key, value in _override_items(overrides):
+        _set_dotted(data, key, value)
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "config"
+        src = f"{yaml_path}: " if yaml_path else ""
+        raise TrainError(f"{src}{where}: {err['msg']}") from None
 
 
 def _override_items(overrides: dict[str, Any] | Sequence[str] | None) -> Iterator[tuple[str, Any]]:

@@ -1,0 +1,98 @@
+"""``omrl loop`` on a tiny random model: every stage runs and is recorded, a loop killed in the
+middle of its training stage and started again ends with the unbroken run's results, and a run
+folder refuses to continue under other settings."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from omrl_search.cli import main  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _argv(model: str, out: Path, steps: int = 24) -> list[str]:
+    return ["loop", "--env", "game24", "--policy", model, "--prm-base", model, "--rounds", "1",
+            "--out", str(out), "--train-limit", "3", "--test-limit", "2", "--expert-demos", "6",
+            "--search-strategy", "best_of_n:n=2", "--search-budget", "tokens=2500",
+            "--strategies", "react,mcts", "--budgets", "tokens=1200", "--max-tokens", "12",
+            "--no-progress", "--set", "prm_settings.max_steps=3", "--set", "prm_settings.batch_size=2", "--set", "prm_settings.keep_layers=null",
+            "--set", "prm_settings.train_layers=null", "--set", f"trainer_settings.sft.max_steps={steps}",
+            "--set", "trainer_settings.sft.lr=3e-3", "--set", "save_every=3"]
+
+
+def _outcome(out: Path) -> dict:
+    """What a finished loop produced: eval figures (without wall time), the policy's weights."""
+    figures = {}
+    for r in (0, 1):
+        summary = json.loads((out / f"round_{r}" / "eval" / "summary.json").read_text())
+        figures[r] = {name: {b: {k: v for k, v in s.items() if k != "seconds"} for b, s in per.items()}
+                      for name, per in summary["strategies"].items()}
+    weights = out / "round_1" / "policy" / "sft" / "model.safetensors"
+    return {"eval": figures, "weights": hashlib.sha256(weights.read_bytes()).hexdigest(),
+            "report": (out / "report.md").read_text()}
+
+
+def _cmd(argv: list[str]) -> list[str]:
+    return [sys.executable, "-c", "import sys; from omrl_search.cli import main; sys.exit(main())", *argv]
+
+
+def test_killed_loop_resumes_to_the_unbroken_result(tiny_agent_model, tmp_path):
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"}
+    whole = tmp_path / "whole"
+    subprocess.run(_cmd(_argv(tiny_agent_model, whole)), check=True, env=env, cwd=ROOT,
+                   capture_output=True, timeout=300)
+    stages = sorted(p.parent.relative_to(whole).as_posix() for p in whole.glob("round_*/*/stage.json"))
+    assert stages == ["round_0/eval", "round_1/data", "round_1/eval", "round_1/labels",
+                      "round_1/policy", "round_1/prm", "round_1/search"]
+    assert json.loads((whole / "round_1/prm/stage.json").read_text())["trained"]
+
+    broken = tmp_path / "broken"
+    proc = subprocess.Popen(_cmd(_argv(tiny_agent_model, broken)), env=env, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckpts = broken / "round_1" / "policy.partial" / "sft" / "checkpoints"
+    deadline = time.monotonic() + 240
+    while not any(ckpts.glob("step-*/trainer_state.pt")) and proc.poll() is None:
+        assert time.monotonic() < deadline, "the training stage never wrote a checkpoint"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (broken / "round_1" / "policy" / "stage.json").exists()  # killed inside the stage
+    assert (broken / "round_1" / "search" / "stage.json").exists()
+
+    subprocess.run(_cmd(_argv(tiny_agent_model, broken)), check=True, env=env, cwd=ROOT,
+                   capture_output=True, timeout=300)
+    assert _outcome(broken) == _outcome(whole)
+    assert not list(broken.glob("round_*/*.partial"))
+
+
+def test_a_run_folder_refuses_other_settings(tiny_agent_model, tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "loop.json").write_text(json.dumps({"env": "countdown"}))
+    assert main(_argv(tiny_agent_model, out)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "other settings" in err[0] and "env" in err[0]
+
+
+@pytest.mark.parametrize("flag,value,needle", [("--strategies", "react,nosuch", "nosuch"),
+                                                ("--set", "first=[rlhf]", "rlhf"),
+                                                ("--budgets", "tokens=abc", "tokens")])
+def test_bad_settings_fail_before_anything_runs(flag, value, needle, tiny_agent_model, tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = _argv(tiny_agent_model, out) + [flag, value]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0]
+    assert not out.exists()
