@@ -6,7 +6,8 @@ from typing import Any, Callable, Iterable, Sequence
 from .agent import ReActFormat
 from .budget import Budget
 from .engine import Engine
-from .env import env_class
+from .env import Env, env_class, make_env
+from .executors import parse_executor
 from .policy import Policy, make_policy
 from .result import SearchResult
 from .reward import RewardModel, make_reward_model
@@ -30,15 +31,32 @@ def search_many(tasks: Sequence[Task], *, strategy: "str | Strategy" = "react",
                 budget: "str | dict | Budget | None" = None, seed: int = 0,
                 max_depth: int | None = None, sampling: SamplingParams | None = None,
                 concurrency: int | None = None, progress: bool = False,
-                on_result: Callable[[SearchResult], None] | None = None) -> list[SearchResult]:
+                on_result: Callable[[SearchResult], None] | None = None,
+                env_factory: Callable[[str], Env] | None = None,
+                executor: str = "local", ray_address: str | None = None) -> list[SearchResult]:
     """Search every task with one strategy, batching all trees' LM and reward-model calls.
 
     ``budget`` applies to each task separately (``"tokens=20000"``, a dict, or a Budget).
+    ``executor="ray"`` (or ``"ray:workers=4,..."``) runs the tasks on Ray actors, a local Ray or
+    the cluster at ``ray_address``; see :mod:`omrl_search.executors`.
+    ``env_factory(env_name)`` builds each search's env (default: in-process ``make_env``; e.g.
+    ``envs.remote.remote_factory(url)`` for envs on an ``omrl env serve`` or AgentGym server).
     """
     strat = make_strategy(strategy)
+    where, options = parse_executor(executor)
+    if where == "ray":  # each Ray actor builds the policy from its spec (see executors.py)
+        from .executors import search_on_ray
+
+        extra = {"env_factory": env_factory} if env_factory is not None else {}
+        return search_on_ray(tasks, options=options, ray_address=ray_address, strategy=strat,
+                             policy=policy, reward_model=reward_model, progress=progress,
+                             on_result=on_result, budget=Budget.parse(budget), seed=seed,
+                             max_depth=max_depth, sampling=sampling, concurrency=concurrency,
+                             **extra)
     pol = make_policy(policy)
     engine = Engine(pol, reward_model=make_reward_model(reward_model), agent_format=ReActFormat(),
-                    sampling=sampling, max_depth=max_depth, seed=seed)
+                    sampling=sampling, max_depth=max_depth, seed=seed,
+                    env_factory=env_factory or make_env)
     bar = None
     if progress:
         from tqdm import tqdm

@@ -26,6 +26,8 @@ from .types import SamplingParams
 
 
 def configure(p: argparse.ArgumentParser) -> None:
+    from .cli import add_executor_args
+
     p.add_argument("--env", required=True, help="environment name")
     p.add_argument("--split", default="test", help="task split (train|test)")
     p.add_argument("--file", help="a JSONL file of tasks instead of the built-in split")
@@ -41,6 +43,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=96, help="completion tokens per step")
     p.add_argument("--temperature", type=float, default=1.0, help="default sampling temperature")
     p.add_argument("--concurrency", type=int, default=None, help="trees searched in lockstep")
+    add_executor_args(p)
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--save-trees", action="store_true", help="also write DIR/trees/*.jsonl")
     p.add_argument("--no-progress", action="store_true")
@@ -81,13 +84,13 @@ def parse_budgets(text: str) -> tuple[str, list[float]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .cli import UsageError, format_table, tasks_from_args
+    from .cli import UsageError, format_table, for_executor, tasks_from_args
 
     # --- validate everything first -------------------------------------------------------------
     tasks = tasks_from_args(args)
     strategies = [make_strategy(s) for s in split_strategies(args.strategies)]
     kind, limits = parse_budgets(args.budgets)
-    reward_model = make_reward_model(args.reward_model)
+    reward_model = for_executor(args, make_reward_model, args.reward_model)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} exists and is not a directory")
@@ -95,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         import matplotlib  # noqa: F401
     except ImportError:
         raise UsageError("omrl bench needs matplotlib for its plots: pip install matplotlib") from None
-    policy = make_policy(args.policy)
+    policy = for_executor(args, make_policy, args.policy)
     sampling = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     names = _names(strategies)
 
@@ -111,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
             results = search_many(tasks, strategy=strat, policy=policy, reward_model=reward_model,
                                   budget={kind: limit}, seed=args.seed, max_depth=args.max_depth,
                                   sampling=sampling, concurrency=args.concurrency,
-                                  on_result=(lambda r: bar.update(1)) if bar else None)
+                                  on_result=(lambda r: bar.update(1)) if bar else None,
+                                  executor=args.executor, ray_address=args.ray_address)
             rows[name][label] = {"strategy": strat.spec(), **summarize(results, time.perf_counter() - t0)}
             if bar is not None:
                 bar.set_postfix({label: f"{rows[name][label]['success_rate']:.2f}"})

@@ -65,6 +65,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-tokens", type=int, default=96, help="completion tokens per step")
     s.add_argument("--temperature", type=float, default=1.0, help="default sampling temperature")
     s.add_argument("--concurrency", type=int, default=None, help="trees searched in lockstep")
+    s.add_argument("--env-server", default=None, metavar="URL",
+                   help="step envs on an `omrl env serve` at URL (agentgym+URL, webshop+URL, "
+                        "sqlgym+URL: an AgentGym server)")
+    add_executor_args(s)
     s.add_argument("--out", default=None, help="write DIR/results.jsonl and DIR/summary.json")
     s.add_argument("--no-progress", action="store_true")
 
@@ -116,16 +120,42 @@ def tasks_from_args(args: argparse.Namespace) -> list:
     return tasks
 
 
+def add_executor_args(p: argparse.ArgumentParser) -> None:
+    """``--executor`` and ``--ray-address`` (shared by search and bench)."""
+    p.add_argument("--executor", default="local",
+                   help="local (this process) | ray[:workers=N,chunk=C,num_cpus=X,num_gpus=Y]")
+    p.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (auto, ray://HEAD:10001) instead of a local Ray")
+
+
+def for_executor(args: argparse.Namespace, make, spec):
+    """``make(spec)`` (a policy, a reward model) built here for ``--executor local``; for Ray the
+    spec string itself: each actor builds its own. The executor spec is checked first."""
+    from .executors import parse_executor
+
+    where, _ = parse_executor(args.executor)
+    if where == "local" and args.ray_address:
+        raise UsageError("--ray-address needs --executor ray")
+    return make(spec) if where == "local" else spec
+
+
 def _search(args: argparse.Namespace) -> int:
     tasks = tasks_from_args(args)
     strategies = [make_strategy(s) for s in (args.strategy or ["react"])]
     budget = Budget.parse(args.budget)
-    reward_model = make_reward_model(args.reward_model)
+    reward_model = for_executor(args, make_reward_model, args.reward_model)
     out = Path(args.out) if args.out else None
     if out is not None and out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} exists and is not a directory")
-    policy = make_policy(args.policy)
+    policy = for_executor(args, make_policy, args.policy)
     sampling = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    env_factory = None
+    if args.env_server:
+        from envs.remote import remote_factory
+
+        env_factory = remote_factory(args.env_server, args.env)
+        if args.concurrency is None:  # each tree holds a server env: stay under the server's cap
+            args.concurrency = env_factory.max_envs
 
     summary, all_results = {}, []
     for strat in strategies:
@@ -133,7 +163,8 @@ def _search(args: argparse.Namespace) -> int:
         results = search_many(tasks, strategy=strat, policy=policy, reward_model=reward_model,
                               budget=budget, seed=args.seed, max_depth=args.max_depth,
                               sampling=sampling, concurrency=args.concurrency,
-                              progress=not args.no_progress)
+                              progress=not args.no_progress, env_factory=env_factory,
+                              executor=args.executor, ray_address=args.ray_address)
         key = strat.spec() if len(strategies) > 1 and strat.name in summary else strat.name
         summary[key] = summarize(results, time.perf_counter() - t0)
         all_results += results

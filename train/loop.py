@@ -385,5 +385,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"omrl loop: error: {exc}", file=sys.stderr)
         return 2
     print((Path(cfg.out) / "report.md").read_text())
-    print(f"report: {Path(cfg.out) / 'report.md'}")
+    from omrl_search.cli import main
+
+    if main(["report", cfg.out]) != 0:  # the HTML page: plots, rounds, trees
+        return 2
     return 0

@@ -1,0 +1,223 @@
+"""Where :func:`omrl_search.search_many` runs: ``local`` (this process, the default) or ``ray``.
+
+``executor="ray"`` (``--executor ray`` in the CLI) partitions the tasks over Ray actors; each
+actor builds its own policy and reward model **from their specs** once and runs the ordinary
+in-process ``search_many`` on its share (so its own engine, envs and lockstep batching); the
+results come back as ``results.jsonl`` lines (no live env snapshots) and are put back in the
+input order. Because the engine seeds every task from ``(seed, task_id)``, a seeded scripted
+search gives the same trees on Ray as in-process. (Sampling LM backends draw per batch, and
+batches depend on which tasks share a worker, so their samples differ, not their distribution.)
+
+Options follow the name like other specs: ``ray:workers=4,chunk=8,num_cpus=1,num_gpus=0.25``.
+
+* ``workers``: actors (default: the cluster's CPUs divided by ``num_cpus``, at most one per task);
+* ``chunk``: tasks handed to an actor at a time (default: an even share, the biggest lockstep
+  batches; smaller chunks balance uneven tasks and report progress sooner);
+* ``num_cpus`` / ``num_gpus``: Ray resources per actor (a GPU policy such as
+  ``hf:PATH:device=cuda`` needs ``num_gpus``; fractions share one GPU).
+
+Ray is started on demand (``ray.init(num_cpus=os.cpu_count(), include_dashboard=False)``) or
+joined at ``ray_address`` (``auto``, ``ray://HEAD:10001``...); an already initialised Ray is
+used as it is. Every node needs omrl-search installed. A Policy or RewardModel *object* is sent
+to the actors only if it can be pickled (a scripted policy can, a loaded llama.cpp model cannot:
+pass its spec string instead). An actor that dies loses only its chunk: those tasks come back as
+failed results with the error as their fault, and a fresh actor takes its place. The actors are
+kept for the next call with the same policy, reward model and resources (``omrl bench`` over
+strategies and budgets builds the model once per actor); :func:`release` frees them.
+
+Envs are stepped where their tree is searched: inside the actor (``env_factory`` travels with
+the other search arguments, so ``--env-server URL`` works here too). Per tree the engine steps one
+env call at a time, so an env on an actor of its own would add a round trip per step without
+adding parallelism that more search workers do not already give.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Sequence
+
+from .policy import PolicyError, require
+from .result import SearchResult
+from .specs import SpecError, parse_spec
+from .tree import FAILED, SearchTree
+from .types import Task
+
+EXECUTORS = ("local", "ray")
+_RAY_OPTIONS = {"workers": int, "chunk": int, "num_cpus": float, "num_gpus": float}
+
+
+def parse_executor(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"ray:workers=4"`` -> ``("ray", {"workers": 4})``, checked; a bad one is a SpecError."""
+    name, opts = parse_spec(spec or "local", "executor")
+    if name not in EXECUTORS:
+        raise SpecError(f"unknown executor {spec!r} (known: {', '.join(EXECUTORS)}; e.g. ray:workers=4)")
+    allowed = _RAY_OPTIONS if name == "ray" else {}
+    for key, value in opts.items():
+        if key not in allowed:
+            raise SpecError(f"executor {name}: unknown option {key!r} (known: {', '.join(allowed) or 'none'})")
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise SpecError(f"executor {name}: {key} must be a positive number, got {value!r}")
+        opts[key] = allowed[key](value)
+    return name, opts
+
+
+def search_on_ray(tasks: Sequence[Task], *, options: dict[str, Any], ray_address: str | None,
+                  strategy: Any, policy: Any, reward_model: Any, progress: bool = False,
+                  on_result: Callable[[SearchResult], None] | None = None,
+                  **search_kwargs: Any) -> list[SearchResult]:
+    """``search_many(tasks, ...)`` on Ray actors; ``search_kwargs`` are passed to each actor's
+    ``search_many`` (budget, seed, max_depth, sampling, concurrency, env_factory)."""
+    ray = _ray(ray_address)
+    policy, pkey = _portable(ray, policy, "policy", "e.g. 'smollm2:llamacpp' or 'openai:http://HOST:8000/v1#MODEL'")
+    reward_model, rkey = _portable(ray, reward_model, "reward model", "e.g. 'prm:PATH'")
+    tasks = list(tasks)
+    if not tasks:
+        return []
+    per_actor = {"num_cpus": options.get("num_cpus", 1.0), "num_gpus": options.get("num_gpus", 0.0)}
+    cpus = float(ray.cluster_resources().get("CPU", 1.0))
+    workers = options.get("workers") or max(1, int(cpus // max(per_actor["num_cpus"], 1e-9)))
+    workers = min(workers, len(tasks))
+    chunk = options.get("chunk") or -(-len(tasks) // workers)
+    chunks = [list(range(i, min(i + chunk, len(tasks)))) for i in range(0, len(tasks), chunk)]
+    pool = _pool(ray, (pkey, rkey, tuple(sorted(per_actor.items()))), per_actor,
+                 (policy, reward_model), workers)
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(tasks), desc=f"{getattr(strategy, 'name', strategy)}@ray", unit="task",
+                   leave=False)
+    results: list[SearchResult | None] = [None] * len(tasks)
+    running: dict[Any, tuple[int, list[int]]] = {}  # ref -> (actor slot, task indices)
+
+    def submit(slot: int) -> None:
+        if chunks:
+            idx = chunks.pop(0)
+            running[pool.actors[slot].run.remote(strategy, [tasks[i] for i in idx], search_kwargs)] = (slot, idx)
+
+    try:
+        for slot in range(workers):
+            submit(slot)
+        while running:
+            [ref], _ = ray.wait(list(running), num_returns=1)
+            slot, idx = running.pop(ref)
+            try:
+                got = [SearchResult.from_dict(d) for d in ray.get(ref)]
+            except Exception as exc:  # noqa: BLE001 - a dead actor loses only its chunk
+                lines = str(exc).strip().splitlines()
+                fault = f"ray worker: {type(exc).__name__}: {lines[-1] if lines else ''}"
+                got = [_failed(tasks[i], strategy, fault) for i in idx]
+                pool.replace(slot)
+            for i, res in zip(idx, got):
+                results[i] = res
+                if bar is not None:
+                    bar.update(1)
+                if on_result is not None:
+                    on_result(res)
+            submit(slot)
+    finally:
+        if bar is not None:
+            bar.close()
+    return results  # type: ignore[return-value]
+
+
+class _Pool:
+    """The search actors, kept between calls with the same policy, reward model and resources
+    (``omrl bench`` over strategies and budgets builds the model once per actor)."""
+
+    current: "_Pool | None" = None
+
+    def __init__(self, ray: Any, key: tuple, per_actor: dict[str, float], args: tuple) -> None:
+        self.ray, self.key, self.args = ray, key, args
+        self.cls = ray.remote(**per_actor)(_SearchWorker)
+        self.actors: list[Any] = []
+
+    def grow(self, n: int) -> None:
+        """At least ``n`` actors, each checked to have built its policy (else one PolicyError)."""
+        while len(self.actors) < n:
+            self.actors.append(self.cls.remote(*self.args))
+        errors = [e for e in self.ray.get([a.error.remote() for a in self.actors[:n]]) if e]
+        if errors:
+            release()
+            raise PolicyError(errors[0])
+
+    def replace(self, slot: int) -> None:
+        self.ray.kill(self.actors[slot])
+        self.actors[slot] = self.cls.remote(*self.args)
+
+
+def _pool(ray: Any, key: tuple, per_actor: dict[str, float], args: tuple, workers: int) -> _Pool:
+    key = (ray.get_runtime_context().get_job_id(),) + key  # a new ray.init: new actors
+    if _Pool.current is None or _Pool.current.key != key:
+        release()
+        _Pool.current = _Pool(ray, key, per_actor, args)
+    _Pool.current.grow(workers)
+    return _Pool.current
+
+
+def release() -> None:
+    """Kill the kept search actors (they also end with Ray)."""
+    pool, _Pool.current = _Pool.current, None
+    if pool is not None and pool.ray.is_initialized():
+        for actor in pool.actors:
+            pool.ray.kill(actor)
+
+
+class _SearchWorker:
+    """A Ray actor: one policy and reward model, built from their specs, searching chunks."""
+
+    def __init__(self, policy: Any, reward_model: Any) -> None:
+        from .policy import make_policy
+        from .reward import make_reward_model
+
+        self._error = ""
+        try:
+            self.policy = make_policy(policy)
+            self.reward_model = make_reward_model(reward_model)
+        except Exception as exc:  # noqa: BLE001 - reported once, as one line, by error()
+            self._error = exc.args[0] if isinstance(exc, (PolicyError, SpecError)) and exc.args else (
+                f"{type(exc).__name__}: {exc}")
+
+    def error(self) -> str:
+        return self._error
+
+    def run(self, strategy: Any, tasks: list[Task], kwargs: dict[str, Any]) -> list[dict[str, Any]]:
+        from .api import search_many
+
+        results = search_many(tasks, strategy=strategy, policy=self.policy,
+                              reward_model=self.reward_model, **kwargs)
+        return [r.to_dict() for r in results]
+
+
+def _ray(address: str | None) -> Any:
+    ray = require("ray", "ray")
+    if not ray.is_initialized():
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+        if address:
+            ray.init(address=address, log_to_driver=False)
+        else:
+            ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=False)
+    return ray
+
+
+def _portable(ray: Any, obj: Any, what: str, example: str) -> tuple[Any, Any]:
+    """(what to send, a key for it): a spec string (or None) as it is; an object only if it
+    pickles (its pickle is the key), else one clear line."""
+    if obj is None or isinstance(obj, str):
+        return obj, obj
+    try:
+        return obj, ray.cloudpickle.dumps(obj)
+    except Exception as exc:  # noqa: BLE001
+        raise PolicyError(f"executor=ray builds the {what} on every worker: give its spec string "
+                          f"({example}), not a {type(obj).__name__} object "
+                          f"(it cannot be pickled: {type(exc).__name__})") from None
+
+
+def _failed(task: Task, strategy: Any, fault: str) -> SearchResult:
+    """The result of a task whose worker died: a failed root, the error as its fault."""
+    tree = SearchTree(task, "", None)
+    tree.root.status, tree.root.error = FAILED, fault
+    spec = strategy.spec() if hasattr(strategy, "spec") else str(strategy)
+    return SearchResult(task=task, strategy=spec, tree=tree, best=None, success=False, spent={},
+                        faults=[fault], stop_reason="error", seconds=0.0)
+
