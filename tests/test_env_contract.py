@@ -120,6 +120,8 @@ def test_snapshot_restores_into_fresh_instance(name, kind):
 @pytest.mark.parametrize("name", ENVS)
 def test_snapshot_kinds_are_not_interchangeable(name):
     _restorable(name)
+    if env_class(name).snapshot_kind == "replay":
+        pytest.skip(f"env {name!r} snapshots by replay only: there is no second kind to mix up")
     task = _tasks(name, 1)[0]
     native, replay = make_env(name), make_env(name, snapshots="replay")
     native.reset(task)
