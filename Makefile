@@ -7,9 +7,10 @@ STAMP  := $(VENV)/.installed
 .PHONY: install demo test test-slow test-vllm bench-backends clean
 
 $(STAMP): pyproject.toml Makefile
-	# System packages: bubblewrap (the os env's sandbox), Chromium (the report page's browser test).
-	command -v bwrap >/dev/null && command -v chromium >/dev/null || \
-	    { apt-get update -q && apt-get install -y -q bubblewrap chromium; }
+	# System packages: bubblewrap (the os env's sandbox), Chromium (the report page's browser test),
+	# Java (ScienceWorld).
+	command -v bwrap >/dev/null && command -v chromium >/dev/null && command -v java >/dev/null || \
+	    { apt-get update -q && apt-get install -y -q bubblewrap chromium default-jre-headless; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# CPU build of torch first: any other torch spec pulls gigabytes of CUDA packages.
