@@ -3,11 +3,16 @@
 A strategy is an ``async def run(ctx)`` that calls batched primitives on its
 :class:`~omrl_search.ops.SearchContext` — ``expand`` nodes by k children, ``ask`` the LM a raw
 prompt, ``evaluate`` nodes with the reward model, ``rollout`` to a terminal. The primitives yield
-an operation to this driver, which advances every tree's coroutine until each is waiting, then
-serves all pending expansions and asks of all trees with one policy call and all pending
-evaluations with one reward-model call (lockstep across tasks, as in rStar-Math), and resumes
-them. Plain coroutines driven by ``send`` keep this deterministic and cheap (no event loop, no
-threads).
+an operation to this driver, which advances every tree's coroutine until each is waiting and
+queues the LM requests of all trees together. Each policy call then takes the oldest waiting
+request and its neighbours in prompt order up to the policy's ``max_batch`` sequences, sorted
+so that shared prompt prefixes sit together, and a tree resumes as soon as its own requests are answered, so the next call is
+topped up with its new requests (``schedule="continuous"``; ``"lockstep"`` serves every waiting
+request before resuming any tree, one round for all trees as in rStar-Math; see
+:mod:`omrl_search.batching`). Pending evaluations are served together in one reward-model call.
+Plain coroutines driven by ``send`` keep this deterministic and cheap (no event loop, no
+threads), and since every request's seed comes from its own tree, the schedule never changes a
+result.
 
 Every env step happens after ``restore`` of the parent's snapshot (skipped when the tree's env
 is known to be in that state already). An exception in an env or an LM call marks that node
@@ -20,6 +25,7 @@ import time
 from typing import Any, Callable, Iterable
 
 from .agent import ReActFormat, TurnEncoder
+from .batching import SCHEDULES, LMWait, WaitingRequests, prompt_key
 from .budget import Budget, BudgetExhausted
 from .env import Env, make_env
 from .ops import Op, SearchContext
@@ -33,12 +39,20 @@ __all__ = ["Engine", "SearchContext"]
 
 
 class Engine:
-    """Runs strategies over tasks with one policy (and optionally one reward model)."""
+    """Runs strategies over tasks with one policy (and optionally one reward model).
+
+    ``schedule`` (``continuous`` | ``lockstep``) and ``prefix_order`` choose how LM requests of
+    many trees share policy calls (see :mod:`omrl_search.batching`); results do not depend on
+    them."""
 
     def __init__(self, policy: Policy, *, reward_model: RewardModel | None = None,
                  agent_format: ReActFormat | None = None, sampling: SamplingParams | None = None,
                  max_depth: int | None = None, seed: int = 0,
-                 env_factory: Callable[[str], Env] = make_env):
+                 env_factory: Callable[[str], Env] = make_env, schedule: str = "continuous",
+                 prefix_order: bool = True):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r} (known: {', '.join(SCHEDULES)})")
+        self.schedule, self.prefix_order = schedule, bool(prefix_order)
         self.policy = policy
         self.reward_model = reward_model
         self.format = agent_format or ReActFormat()
@@ -54,15 +68,17 @@ class Engine:
             ) -> list[SearchResult]:
         """Search every task with ``strategy``; each task gets a fresh copy of ``budget``.
 
-        Up to ``concurrency`` trees run in lockstep (default: all); when one finishes the next
-        task starts, so the policy's batches stay full.
+        Up to ``concurrency`` trees are searched together (default: all); when one finishes
+        the next task starts, so the policy's batches stay full.
         """
         budget = budget or Budget()
         queue = list(enumerate(tasks))
         results: list[SearchResult | None] = [None] * len(queue)
         limit = concurrency or len(queue) or 1
         live: dict[int, tuple[SearchContext, Any]] = {}
-        pending: dict[int, Op] = {}
+        waiting = WaitingRequests()
+        evals: dict[int, Op] = {}
+        ready: list[tuple[int, Any]] = []  # trees to resume at once (an op with no requests)
 
         def finish(i: int, stop: str) -> None:
             ctx, _ = live.pop(i)
@@ -74,7 +90,7 @@ class Engine:
         def advance(i: int, value: Any) -> None:
             ctx, coro = live[i]
             try:
-                pending[i] = coro.send(value)
+                op = coro.send(value)
             except StopIteration:
                 finish(i, "done")
             except BudgetExhausted as exc:
@@ -82,6 +98,21 @@ class Engine:
             except Exception as exc:  # a crashing strategy loses only its own task
                 ctx.faults.append(f"strategy: {type(exc).__name__}: {exc}")
                 finish(i, "error")
+            else:
+                if op.kind == "evaluate":
+                    evals[i] = op
+                    return
+                try:
+                    wait = self._wait(i, op)
+                except Exception as exc:  # a prompt that cannot be built ends its own search
+                    coro.close()
+                    ctx.faults.append(f"engine: {type(exc).__name__}: {exc}")
+                    finish(i, "error")
+                    return
+                if wait.requests:
+                    waiting.add(wait)
+                else:
+                    ready.append((i, []))
 
         while queue or live:
             while queue and len(live) < limit:
@@ -94,22 +125,52 @@ class Engine:
                     continue
                 live[i] = started
                 advance(i, None)
-            if not pending:
+            if ready:
+                now, ready = ready, []
+                for i, value in now:
+                    advance(i, value)
                 continue
-            ops, pending = pending, {}
-            answers = self._serve(ops)
+            if not (waiting or evals):
+                if live:  # every live search waits on something: a driver bug
+                    raise RuntimeError("engine: live searches with nothing to serve")
+                continue
+            answers = self._serve(self._next(waiting, evals))
             for i in sorted(answers):
                 advance(i, answers[i])
         return results  # type: ignore[return-value]
 
-    def _serve(self, ops: dict[int, Op]) -> dict[int, Any]:
-        """One round: every pending expand and ask in one policy call, every evaluation in
-        one reward-model call."""
+    def _next(self, waiting: WaitingRequests, evals: dict[int, Op]
+              ) -> tuple[list[tuple[LMWait, int]], list[tuple[int, Op]]]:
+        """What the driver serves next: LM requests taken from ``waiting`` and evaluations
+        taken from ``evals``. ``lockstep``: everything. ``continuous``: the pending evaluations
+        while fewer than ``max_batch`` sequences wait (their trees may top the next call up),
+        else one policy call's worth: the oldest request and (``prefix_order``) its neighbours
+        in prompt order, or the next oldest."""
+        if self.schedule == "lockstep":
+            ev = list(evals.items())
+            evals.clear()
+            return waiting.take(None), ev
+        if evals and waiting.seqs < self.policy.max_batch:
+            ev = list(evals.items())
+            evals.clear()
+            return [], ev
+        return waiting.take(self.policy.max_batch, prompt_key if self.prefix_order else None), []
+
+    def _serve(self, step: tuple[list[tuple[LMWait, int]], list[tuple[int, Op]]]) -> dict[int, Any]:
+        """One driver step: the step's LM requests (one policy call per ``max_batch``
+        sequences) and its evaluations (one reward-model call). Returns the answers of the
+        ops now complete, by tree."""
+        lm, evals = step
         answers: dict[int, Any] = {}
-        lm = [(i, op) for i, op in ops.items() if op.kind in ("expand", "ask")]
-        evals = [(i, op) for i, op in ops.items() if op.kind == "evaluate"]
         if lm:
-            answers.update(self._lm_round(lm))
+            if self.prefix_order:
+                lm = sorted(lm, key=lambda item: prompt_key(item[0].requests[item[1]]))
+            gens = self._generate([wait.requests[slot] for wait, slot in lm])
+            for (wait, slot), g in zip(lm, gens):
+                wait.gens[slot] = g
+                wait.left -= 1
+                if not wait.left:
+                    answers[wait.i] = self._answer(wait)
         if evals:
             answers.update(self._evaluate_all(evals))
         return answers
@@ -156,33 +217,33 @@ class Engine:
         )
 
     # --- expansion -------------------------------------------------------------------------
-    def _lm_round(self, ops: list[tuple[int, Op]]) -> dict[int, list]:
-        """Build every request of the round's expands and asks, generate once, hand back."""
-        work = []  # (op index, ctx, node, dedup, context_ids) per request; node None for asks
+    def _wait(self, i: int, op: Op) -> LMWait:
+        """The requests of tree ``i``'s expand or ask (built now, in the tree's own order, so
+        each request's seed depends on its tree alone)."""
+        ctx = op.ctx
+        work = []  # (node, dedup, context_ids) per request; node None for asks
         requests = []
-        for i, op in ops:
-            ctx = op.ctx
-            if op.kind == "expand":
-                nodes, k, temperature, dedup, notes = op.args
-                for j, node in enumerate(nodes):
-                    context_ids, req = self._request(ctx, node, k, temperature,
-                                                     notes[j] if notes else "")
-                    work.append((i, ctx, node, dedup, context_ids))
-                    requests.append(req)
-            else:
-                nodes, prompts, n, temperature, max_tokens, stop = op.args
-                for node, prompt in zip(nodes, prompts):
-                    work.append((i, ctx, None, False, None))
-                    requests.append(self._ask_request(ctx, node, prompt, n, temperature,
-                                                      max_tokens, stop))
-        gens = self._generate(requests)
-        out: dict[int, list] = {i: [] for i, _ in ops}
-        for (i, ctx, node, dedup, context_ids), g in zip(work, gens):
-            if node is None:
-                out[i].append(self._texts(ctx, g))
-            else:
-                out[i].append(self._children(ctx, node, context_ids, g, dedup))
-        return out
+        if op.kind == "expand":
+            nodes, k, temperature, dedup, notes = op.args
+            for j, node in enumerate(nodes):
+                context_ids, req = self._request(ctx, node, k, temperature,
+                                                 notes[j] if notes else "")
+                work.append((node, dedup, context_ids))
+                requests.append(req)
+        else:
+            nodes, prompts, n, temperature, max_tokens, stop = op.args
+            for node, prompt in zip(nodes, prompts):
+                work.append((None, False, None))
+                requests.append(self._ask_request(ctx, node, prompt, n, temperature,
+                                                  max_tokens, stop))
+        return LMWait(i, op, work, requests)
+
+    def _answer(self, wait: LMWait) -> list:
+        """An answered expand's children (env stepped) or an ask's texts, per request."""
+        ctx = wait.op.ctx
+        return [self._texts(ctx, g) if node is None else
+                self._children(ctx, node, context_ids, g, dedup)
+                for (node, dedup, context_ids), g in zip(wait.work, wait.gens)]
 
     def _messages(self, ctx: SearchContext, node: Node) -> list[dict[str, str]]:
         """The chat up to ``node``'s observation (without notes), cached per node."""

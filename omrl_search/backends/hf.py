@@ -9,9 +9,12 @@ How one :meth:`HFPolicy.generate` call runs:
   at most ``max_batch`` rows (less padding);
 * in a chunk each distinct prompt is prefilled **once** (left padded, explicit position ids) and its
   KV cache is then fanned out to its ``n`` rows, so ``n`` samples cost one prefill; a prefix that
-  all the chunk's prompts share (the system prompt) is prefilled once before that;
-* the decode loop samples every row with its own temperature / top-p (one ``torch.Generator`` per
-  call, seeded from the first request's ``seed``), records the raw log-probability of the chosen
+  all the chunk's prompts share (the system prompt) is prefilled once before that, and so is a
+  prefix that a group of them shares beyond it (one task's prompt and path: siblings in a
+  search) when that saves tokens (:func:`_prefill_levels`);
+* the decode loop samples every row with its own temperature / top-p and its own random stream
+  (seeded from its request's ``seed`` and its sample index, so a row's samples do not depend on
+  which other requests share the call), records the raw log-probability of the chosen
   token (``log_softmax`` of the unscaled logits: what a trainer recomputes), and drops finished
   rows (EOS, a stop string, ``max_tokens``) from the batch and its KV cache once they are a
   quarter of it;
@@ -23,6 +26,7 @@ Nothing heavy is imported at module level.
 from __future__ import annotations
 
 import os
+import random
 from typing import Any, Sequence
 
 from ..policy import (Policy, PolicyError, from_path_spec, register_policy, request_prompt_ids,
@@ -68,13 +72,16 @@ def _looks_local(path: str) -> bool:
 
 class Row:
     """One generated sequence's bookkeeping, shared by the backends: its tokens and raw logprobs,
-    and when it ends (EOS: kept in ``token_ids``, cut from the text; a stop string: text cut
-    before it, ``token_ids`` up to the token that completed it; ``limit`` tokens: "length")."""
+    when it ends (EOS: kept in ``token_ids``, cut from the text; a stop string: text cut
+    before it, ``token_ids`` up to the token that completed it; ``limit`` tokens: "length"), and
+    its own random stream ``rng``, seeded from ``seed`` (its request's seed and sample index)."""
 
     __slots__ = ("prompt_len", "limit", "tok", "eos", "stops", "max_stop", "ids", "lps", "checked",
-                 "result")
+                 "result", "rng")
 
-    def __init__(self, prompt: Sequence[int], params: Any, limit: int, tokenizer: Any) -> None:
+    def __init__(self, prompt: Sequence[int], params: Any, limit: int, tokenizer: Any,
+                 seed: str = "") -> None:
+        self.rng = random.Random(seed)
         self.prompt_len = len(prompt)
         self.limit = limit
         self.tok = tokenizer
@@ -129,6 +136,8 @@ class HFPolicy(Policy):
     name = "hf"
     #: prefill a prefix shared by all prompts of a chunk once when it is at least this long
     min_shared_prefix = 16
+    #: also prefill once a prefix that a group of the chunk's prompts shares beyond that
+    group_prefixes = True
 
     def __init__(
         self,
@@ -218,12 +227,8 @@ class HFPolicy(Policy):
         if not requests:
             return []  # type: ignore[return-value]
         prompts = [self._prompt_ids(r) for r in requests]
-        seed = requests[0].params.seed
-        gen = torch.Generator(device="cpu")
-        if seed is None:
-            gen.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self._gen)))
-        else:
-            gen.manual_seed(int(seed))
+        seeds = [int(torch.randint(0, 2**62, (1,), generator=self._gen)) if r.params.seed is None
+                 else r.params.seed for r in requests]
         rows: list[tuple[int, int]] = []
         for ri in sorted(range(len(requests)), key=lambda i: len(prompts[i])):
             p = requests[ri].params
@@ -235,12 +240,12 @@ class HFPolicy(Policy):
         with torch.inference_mode():
             for start in range(0, len(rows), self.max_batch):
                 chunk = rows[start:start + self.max_batch]
-                for (ri, si), g in zip(chunk, self._run_chunk(chunk, requests, prompts, gen)):
+                for (ri, si), g in zip(chunk, self._run_chunk(chunk, requests, prompts, seeds)):
                     out[ri][si] = g
         return out  # type: ignore[return-value]
 
     def _run_chunk(self, chunk: list[tuple[int, int]], requests: list[GenRequest],
-                   prompts: list[list[int]], gen: Any) -> list[Generation]:
+                   prompts: list[list[int]], seeds: list[int]) -> list[Generation]:
         torch = self._torch
         dev = self.device
         tok = self.tokenizer
@@ -253,27 +258,27 @@ class HFPolicy(Policy):
             uniq.setdefault(ri, len(uniq))
         uprompts = [prompts[ri] for ri in uniq]
         U = len(uprompts)
-        # a prefix all distinct prompts share (the system prompt...) is prefilled once too
-        P = _shared_prefix(uprompts) if U > 1 else 0
-        if P < self.min_shared_prefix:
-            P = 0
-        L = max(len(p) for p in uprompts) - P
-        cache = _make_cache(self.model.config, capacity=P + L + max(limit))
-        pad = tok.pad_token_id
-        if P:
-            head = torch.tensor([uprompts[0][:P]], dtype=torch.long, device=dev)
-            self.model(input_ids=head, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            cache.batch_select_indices(torch.zeros(U, dtype=torch.long, device=dev))
-        ids = torch.full((U, L), pad, dtype=torch.long)
-        mask = torch.zeros((U, L), dtype=torch.long)
-        for u, p in enumerate(uprompts):
-            ids[u, L - len(p) + P:] = torch.tensor(p[P:], dtype=torch.long)
-            mask[u, L - len(p) + P:] = 1
-        pos = P + (mask.cumsum(-1) - 1).clamp(min=0)
-        mask = torch.cat([torch.ones((U, P), dtype=torch.long), mask], dim=1)
-        ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
-        o = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                       use_cache=True, logits_to_keep=1)
+        # shared prefixes (the system prompt, one task's prompt...) are prefilled once each: level
+        # by level, each row left padded on top of its parent row of the level before
+        levels = _prefill_levels(uprompts, self.min_shared_prefix, self.group_prefixes)
+        widths = [max(e - s for _, s, e in rows) for rows, _ in levels]
+        cache = _make_cache(self.model.config, capacity=sum(widths) + max(limit))
+        mask = None
+        for (rows, parents), W in zip(levels, widths):
+            if parents is not None:
+                idx = torch.tensor(parents, device=dev)
+                cache.batch_select_indices(idx)
+                mask = mask[idx]
+            ids = torch.full((len(rows), W), tok.pad_token_id, dtype=torch.long)
+            seg = torch.zeros((len(rows), W), dtype=torch.long)
+            for r, (u, s, e) in enumerate(rows):
+                ids[r, W - (e - s):] = torch.tensor(uprompts[u][s:e], dtype=torch.long)
+                seg[r, W - (e - s):] = 1
+            pos = torch.tensor([[s] for _, s, _ in rows]) + (seg.cumsum(-1) - 1).clamp(min=0)
+            seg = seg.to(dev)
+            mask = seg if mask is None else torch.cat([mask, seg], dim=1)
+            o = self.model(input_ids=ids.to(dev), attention_mask=mask, position_ids=pos.to(dev),
+                           past_key_values=cache, use_cache=True, logits_to_keep=1)
         logits = o.logits[:, -1, :].float()
         sel = [uniq[ri] for ri, _ in chunk]
         if sel != list(range(U)):
@@ -285,12 +290,13 @@ class HFPolicy(Policy):
 
         temps = torch.tensor([max(p.temperature, 0.0) for p in params], device=dev)
         top_ps = torch.tensor([p.top_p if 0.0 < p.top_p < 1.0 else 1.0 for p in params], device=dev)
-        rows = [Row(prompts[ri], p, lim, tok) for (ri, _), p, lim in zip(chunk, params, limit)]
+        rows = [Row(prompts[ri], p, lim, tok, f"{seeds[ri]}:{si}")
+                for (ri, si), p, lim in zip(chunk, params, limit)]
         active = list(range(B))  # chunk row of each batch row; finished rows stay until compaction
         n_live = B
 
         while True:
-            tokens, lps = self._sample(logits, temps, top_ps, gen)
+            tokens, lps = self._sample(logits, temps, top_ps, [rows[b].rng for b in active])
             t_list, lp_list = tokens.tolist(), lps.tolist()
             for j, b in enumerate(active):
                 if rows[b].result is None and rows[b].push(t_list[j], lp_list[j]):
@@ -312,8 +318,9 @@ class HFPolicy(Policy):
             logits = o.logits[:, -1, :].float()
         return [r.result for r in rows]  # type: ignore[misc]
 
-    def _sample(self, logits: Any, temps: Any, top_ps: Any, gen: Any) -> tuple[Any, Any]:
-        """Pick one token per row; return it and its raw (temperature-1, unfiltered) logprob."""
+    def _sample(self, logits: Any, temps: Any, top_ps: Any, rngs: list[Any]) -> tuple[Any, Any]:
+        """Pick one token per row (row ``j`` draws from ``rngs[j]``); return it and its raw
+        (temperature-1, unfiltered) logprob."""
         torch = self._torch
         logp = torch.log_softmax(logits, dim=-1)
         greedy = temps <= 0
@@ -328,7 +335,8 @@ class HFPolicy(Policy):
                 probs = probs.masked_fill(cum - probs > top_ps[:, None], 0.0)
             # inverse-CDF sampling (torch.multinomial is ~20 ms for 32 x 49k rows on CPU)
             cum = probs.cumsum(dim=-1)
-            u = torch.rand((probs.shape[0], 1), generator=gen).to(probs.device) * cum[:, -1:]
+            u = torch.tensor([[r.random()] for r in rngs], dtype=cum.dtype, device=cum.device)
+            u = u * cum[:, -1:]
             choice = torch.searchsorted(cum, u, right=True).clamp(max=probs.shape[-1] - 1)
             sampled = (order.gather(1, choice) if order is not None else choice).squeeze(1)
             tokens = torch.where(greedy, tokens, sampled)
@@ -401,6 +409,57 @@ def _shared_prefix(prompts: list[list[int]]) -> int:
         while n > 0 and p[:n] != first[:n]:
             n = next((i for i in range(n) if p[i] != first[i]), n)
     return max(n, 0)
+
+
+def prefix_groups(prompts: list[list[int]], min_shared: int) -> tuple[int, list[tuple[list[int], int]]]:
+    """Shared prefixes of distinct ``prompts``: ``base``, the prefix all share (0 when shorter
+    than ``min_shared``), and groups of prompt indices (neighbours in sorted order sharing at
+    least ``min_shared`` tokens more: one task's prompt and path), each with the prefix its
+    members share (``base`` for a group of one). Every prefix leaves each prompt a token."""
+    base = _shared_prefix(prompts) if len(prompts) > 1 else 0
+    base = base if base >= min_shared else 0
+    order = sorted(range(len(prompts)), key=prompts.__getitem__)
+    groups: list[tuple[list[int], int]] = [(order[:1], base)]
+    for a, b in zip(order, order[1:]):
+        n = _shared_prefix([prompts[a], prompts[b]])
+        members, shared = groups[-1]
+        if n >= base + min_shared:
+            members.append(b)
+            groups[-1] = (members, n if len(members) == 2 else min(shared, n))
+        else:
+            groups.append(([b], base))
+    return base, groups
+
+
+Level = tuple[list[tuple[int, int, int]], "list[int] | None"]
+
+
+def _prefill_levels(prompts: list[list[int]], min_shared: int, use_groups: bool = True) -> list[Level]:
+    """How to prefill distinct ``prompts`` computing each shared prefix once.
+
+    Levels of ``(rows, parents)``: row ``j`` = ``(prompt index, start, end)`` prefills that
+    prompt's tokens ``[start, end)`` on top of row ``parents[j]`` of the level before (``None``:
+    the first level). The last level has one row per prompt, in order. Up to three levels (see
+    :func:`prefix_groups`): the prefix all share, when there is one; each group's prefix (with
+    ``use_groups``), when that prefills fewer tokens, padding included; the rest of each prompt."""
+    U = len(prompts)
+    base, found = prefix_groups(prompts, min_shared)
+    groups = found if use_groups else [([u], base) for u in range(U)]
+    levels: list[Level] = [([(0, 0, base)], None)] if base else []
+    starts, parents = [base] * U, ([0] * U if base else None)
+    if len(groups) < U:
+        group_of = {u: g for g, (members, _) in enumerate(groups) for u in members}
+        shared = [q for _, q in groups]
+        flat = U * (max(map(len, prompts)) - base)
+        grouped = (len(groups) * (max(shared) - base)
+                   + U * max(len(p) - shared[group_of[u]] for u, p in enumerate(prompts)))
+        if grouped < flat:
+            levels.append(([(members[0], base, q) for members, q in groups],
+                           [0] * len(groups) if base else None))
+            starts = [shared[group_of[u]] for u in range(U)]
+            parents = [group_of[u] for u in range(U)]
+    levels.append(([(u, starts[u], len(p)) for u, p in enumerate(prompts)], parents))
+    return levels
 
 
 @register_policy("hf")

@@ -11,12 +11,15 @@ How it runs:
 * the KV cache is kept between calls, with the exact token ids each stream holds. A new prompt
   starts from the stream that shares its longest prefix (taken over in place, or copied) and only
   the rest is evaluated: ``n`` samples of one prompt evaluate it once, and the engine's next turn
-  (prompt + completion + observation) evaluates only the new tokens;
+  (prompt + completion + observation) evaluates only the new tokens; within a call, a prefix that
+  all prompts or a group of them share is evaluated once and copied
+  (:func:`~omrl_search.backends.hf.prefix_groups`);
 * flash attention is on by default: without it, decoding with ``n_ctx``-cell streams was 10-50x
   slower on the development VM;
 * all live sequences decode together, one ``llama_decode`` per step; sampling is done here from
-  the raw logits (temperature, top-p, seeded numpy generator), and the logprob recorded is the
-  raw ``log_softmax`` of the chosen token.
+  the raw logits (temperature, top-p; each row draws from its own stream, seeded from its
+  request's ``seed`` and its sample index), and the logprob recorded is the raw ``log_softmax``
+  of the chosen token.
 
 The tokenizer is llama.cpp's own (``parse_special`` so chat markers become their ids, no BOS
 added) and the chat template is the GGUF's ``tokenizer.chat_template`` rendered with jinja2, so the
@@ -35,7 +38,7 @@ from typing import Any, Sequence
 from ..policy import (Policy, PolicyError, from_path_spec, register_policy, request_prompt_ids,
                       require)
 from ..types import GenRequest, Generation
-from .hf import Row
+from .hf import Row, prefix_groups
 from .hf_tokenizer import CHATML_TEMPLATE, compile_chat_template
 
 _BACKEND_READY = False
@@ -130,6 +133,8 @@ class LlamaCppPolicy(Policy):
     #: evaluate a prefix shared by all prompts of a chunk once (then copy the KV stream) when it
     #: is at least this long
     min_shared_prefix = 16
+    #: also evaluate once a prefix that a group of the chunk's prompts shares beyond that
+    group_prefixes = True
 
     def __init__(
         self,
@@ -235,13 +240,12 @@ class LlamaCppPolicy(Policy):
     def generate(self, requests: list[GenRequest]) -> list[list[Generation]]:
         if self._ctx is None:
             raise PolicyError("llamacpp: policy is closed")
-        np = self._np
         out: list[list[Generation | None]] = [[None] * r.params.n for r in requests]
         if not requests:
             return []
         prompts = [self._prompt_ids(r) for r in requests]
-        seed = requests[0].params.seed
-        rng = np.random.default_rng(int(self._rng.integers(2**63)) if seed is None else int(seed))
+        seeds = [int(self._rng.integers(2**63)) if r.params.seed is None else r.params.seed
+                 for r in requests]
         rows: list[tuple[int, int]] = []
         # lexicographic order puts prompts that share prefixes in the same chunk
         for ri in sorted(range(len(requests)), key=lambda i: prompts[i]):
@@ -254,7 +258,7 @@ class LlamaCppPolicy(Policy):
         for start in range(0, len(rows), self.max_batch):
             chunk = rows[start:start + self.max_batch]
             try:
-                gens = self._run_chunk(chunk, requests, prompts, rng)
+                gens = self._run_chunk(chunk, requests, prompts, seeds)
             except BaseException:
                 self._reset_kv()  # the streams' contents are unknown now
                 raise
@@ -309,7 +313,7 @@ class LlamaCppPolicy(Policy):
         return leader, plan, followers
 
     def _run_chunk(self, chunk: list[tuple[int, int]], requests: list[GenRequest],
-                   prompts: list[list[int]], rng: Any) -> list[Generation]:
+                   prompts: list[list[int]], seeds: list[int]) -> list[Generation]:
         ll, np = self._ll, self._np
         mem, kv = self._mem, self._kv
         leader, plan, followers = self._plan(chunk, prompts)
@@ -324,17 +328,23 @@ class LlamaCppPolicy(Policy):
         for s, _ in followers:
             ll.llama_memory_seq_rm(mem, s, -1, -1)
             kv[s] = []
-        # 2. a prefix all distinct prompts share (the system prompt...) is evaluated in one
+        # 2. a prefix all distinct prompts share (the system prompt...), then a prefix that a
+        #    group of them shares beyond it (one task's prompt and path), is evaluated in one
         #    stream and copied to the others
-        P = _shared_prefix([prompts[ri] for ri in leader]) if len(leader) > 1 else 0
-        if P >= self.min_shared_prefix:
-            root_ri = max(leader, key=lambda r: len(kv[leader[r]]))
+        ris = list(leader)
+        base, groups = prefix_groups([prompts[ri] for ri in ris], self.min_shared_prefix)
+        shares = ([(ris, base)] if base else []) + [([ris[m] for m in members], q)
+                                                     for members, q in groups
+                                                     if len(members) > 1 and self.group_prefixes]
+        for members, P in shares:
+            root_ri = max(members, key=lambda r: len(kv[leader[r]]))
             root = leader[root_ri]
             if len(kv[root]) < P:
                 have = len(kv[root])
                 self._evaluate([(root, pos, prompts[root_ri][pos], None) for pos in range(have, P)])
                 kv[root] = list(prompts[root_ri][:P])
-            for ri, st in leader.items():
+            for ri in members:
+                st = leader[ri]
                 if st != root and len(kv[st]) < P:
                     ll.llama_memory_seq_cp(mem, root, st, -1, -1)
                     ll.llama_memory_seq_rm(mem, st, P, -1)
@@ -364,12 +374,12 @@ class LlamaCppPolicy(Policy):
             else:
                 stream_of.append(next(fol)[0])
         params = [requests[ri].params for ri, _ in chunk]
-        rows = [Row(prompts[ri], p, min(p.max_tokens, self.n_ctx - len(prompts[ri])), self.tokenizer)
-                for (ri, _), p in zip(chunk, params)]
+        rows = [Row(prompts[ri], p, min(p.max_tokens, self.n_ctx - len(prompts[ri])), self.tokenizer,
+                    f"{seeds[ri]}:{si}") for (ri, si), p in zip(chunk, params)]
         live = list(range(len(chunk)))
         logits = np.stack([first_logits[ri] for ri, _ in chunk])
         while live:
-            tokens, lps = _sample(np, logits, [params[b] for b in live], rng)
+            tokens, lps = _sample(np, logits, [params[b] for b in live], [rows[b].rng for b in live])
             still = []
             for j, b in enumerate(live):
                 if not rows[b].push(int(tokens[j]), float(lps[j])):
@@ -423,15 +433,6 @@ class LlamaCppPolicy(Policy):
                          for i in idx])
 
 
-def _shared_prefix(prompts: list[list[int]]) -> int:
-    """Length of the longest prefix all ``prompts`` share, leaving each at least one token."""
-    n = min(len(p) for p in prompts) - 1
-    first = prompts[0]
-    for p in prompts[1:]:
-        n = _common_prefix(first, p, n)
-    return max(n, 0)
-
-
 def _common_prefix(a: Sequence[int], b: Sequence[int], cap: int) -> int:
     n = min(len(a), len(b), cap)
     if n <= 0:
@@ -450,7 +451,9 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], cap: int) -> int:
 
 def _sample(np: Any, logits: Any, params: list[Any], rng: Any) -> tuple[Any, Any]:
     """One token per row (temperature 0 = greedy; else temperature + top-p); returns the tokens
-    and their raw log-probabilities (``log_softmax`` of the unscaled logits)."""
+    and their raw log-probabilities (``log_softmax`` of the unscaled logits). ``rng``: one
+    generator (anything with ``random()``) for all rows, or a list of one per row."""
+    rngs = rng if isinstance(rng, (list, tuple)) else [rng] * len(params)
     z = logits - logits.max(axis=1, keepdims=True)
     lse = np.log(np.exp(z).sum(axis=1))
     tokens = np.empty(len(params), dtype=np.int64)
@@ -474,7 +477,7 @@ def _sample(np: Any, logits: Any, params: list[Any], rng: Any) -> tuple[Any, Any
             cand, cw = cand[:keep], cw[:keep]
         else:
             cw = np.cumsum(w)
-        i = int(np.searchsorted(cw, rng.random() * cw[-1], side="right"))
+        i = int(np.searchsorted(cw, rngs[b].random() * cw[-1], side="right"))
         i = min(i, len(cw) - 1)
         tokens[b] = int(cand[i]) if cand is not None else i
     lps = z[np.arange(len(params)), tokens] - lse
