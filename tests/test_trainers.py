@@ -366,7 +366,9 @@ def _torchrun(args, port):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])
+# Both stages are `slow`: two gloo processes on a loaded 2-core machine hit the 600 s timeout in
+# a fresh-clone CI run (ZeRO-3 passed in earlier quiet runs); `make test-slow` runs them.
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
 def test_deepspeed_zero_on_two_cpu_processes_resumes_exactly(stage, model_dir, data, tmp_path):
     common = ["sft", "--model", model_dir, "--data", str(data / "sft.parquet"), "--batch-size", "1",
               "--lr", "3e-3", "--no-progress", "--set", f"deepspeed.stage={stage}", "--set", "save_every=2"]
