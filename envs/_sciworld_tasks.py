@@ -9,7 +9,7 @@ import tempfile
 import threading
 from typing import Any
 
-from omrl_search.backends.smollm2 import cache_root
+from omrl_search.cache import cache_root
 from omrl_search.env import EnvError
 from omrl_search.types import Task
 

@@ -21,7 +21,7 @@ import tempfile
 import warnings
 from typing import Any, NamedTuple
 
-from omrl_search.backends.smollm2 import cache_root
+from omrl_search.cache import cache_root
 
 from ._optional import require
 

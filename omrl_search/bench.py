@@ -18,7 +18,7 @@ from typing import Any
 from .api import search_many, summarize
 from .budget import KINDS, Budget
 from .policy import make_policy
-from .result import write_results
+from .result import write_results, write_text_atomic
 from .reward import make_reward_model
 from .specs import SpecError, coerce
 from .strategy import make_strategy
@@ -128,8 +128,8 @@ def run(args: argparse.Namespace) -> int:
     config = {"env": args.env, "split": args.split if not args.file else args.file,
               "tasks": len(tasks), "policy": args.policy, "reward_model": args.reward_model,
               "budget_kind": kind, "budgets": limits, "seed": args.seed}
-    _write(out / "summary.json", json.dumps({"config": config, "strategies": rows}, indent=2) + "\n")
-    _write(out / "table.md", markdown(config, rows))
+    write_text_atomic(out / "summary.json", json.dumps({"config": config, "strategies": rows}, indent=2) + "\n")
+    write_text_atomic(out / "table.md", markdown(config, rows))
     plot(rows, out / "scaling.png", "tokens", f"tokens spent per task ({args.env}, {args.policy})")
     plot(rows, out / "scaling_env_steps.png", "env_steps", f"env steps per task ({args.env}, {args.policy})")
     flat = {f"{n}@{b}": s for n, per in rows.items() for b, s in per.items()}
@@ -152,13 +152,7 @@ def _bar(name: str, total: int):
     return tqdm(total=total, desc=f"{name:>10}", unit="task")
 
 
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
-def _per_task(s: dict[str, Any], key: str) -> float:
+def per_task(s: dict[str, Any], key: str) -> float:
     value = s["prompt_tokens"] + s["completion_tokens"] if key == "tokens" else s[key]
     return value / max(s["tasks"], 1)
 
@@ -180,9 +174,9 @@ def markdown(config: dict[str, Any], rows: dict[str, dict[str, dict[str, Any]]])
     for name, per in rows.items():
         for b in labels:
             s = per[b]
-            lines.append(f"| {name} | {b} | {s['success_rate']:.2f} | {_per_task(s, 'tokens'):.0f} | "
-                         f"{_per_task(s, 'lm_calls'):.1f} | {_per_task(s, 'rm_calls'):.1f} | "
-                         f"{_per_task(s, 'env_steps'):.1f} | {s['faults']} |")
+            lines.append(f"| {name} | {b} | {s['success_rate']:.2f} | {per_task(s, 'tokens'):.0f} | "
+                         f"{per_task(s, 'lm_calls'):.1f} | {per_task(s, 'rm_calls'):.1f} | "
+                         f"{per_task(s, 'env_steps'):.1f} | {s['faults']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -195,12 +189,12 @@ def plot(rows: dict[str, dict[str, dict[str, Any]]], path: Path, key: str, xlabe
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, (name, per) in enumerate(rows.items()):
-        pts = sorted((_per_task(s, key), s["success_rate"]) for s in per.values())
+        pts = sorted((per_task(s, key), s["success_rate"]) for s in per.values())
         verifier = any(s["verifier_in_loop"] for s in per.values())
         ax.plot([x for x, _ in pts], [y for _, y in pts], marker="osv^DPX*"[i % 8], markersize=7 - i % 3,
                 linestyle="--" if verifier else "-", alpha=0.85, zorder=10 - i,
                 label=name + (" (verifier)" if verifier else ""))
-    if all(x > 0 for per in rows.values() for x in (_per_task(s, key) for s in per.values())):
+    if all(x > 0 for per in rows.values() for x in (per_task(s, key) for s in per.values())):
         ax.set_xscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel("success rate")

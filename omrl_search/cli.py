@@ -16,7 +16,7 @@ from .api import SUMMARY_FIELDS, load_tasks, search_many, summarize
 from .budget import Budget
 from .env import TaskFileError, env_class, list_envs
 from .policy import PolicyError, list_policies, make_policy
-from .result import write_results
+from .result import write_results, write_text_atomic
 from .reward import list_reward_models, make_reward_model
 from .specs import SpecError
 from .strategy import list_strategies, make_strategy
@@ -172,9 +172,7 @@ def _search(args: argparse.Namespace) -> int:
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         write_results(out / "results.jsonl", all_results)
-        tmp = out / "summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        tmp.replace(out / "summary.json")
+        write_text_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
         print(f"wrote {out / 'results.jsonl'} and {out / 'summary.json'}")
     return 0
 

@@ -60,9 +60,9 @@ def run(args: argparse.Namespace) -> int:
     if not (data["evals"] or data["training"] or data["rounds"]):
         raise UsageError(f"found no bench, search, training or loop results under {root}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(render(data), encoding="utf-8")
-    tmp.replace(out)
+    from .result import write_text_atomic
+
+    write_text_atomic(out, render(data))
     trees = sum(len(g["results"]) for e in data["evals"] for g in e["trees"])
     counts = [(len(data["evals"]), "result set"), (trees, "tree"), (len(data["training"]), "training run"),
               (len(data["rounds"]), "round")]
@@ -238,14 +238,14 @@ def _strategy_names(specs: list[str]) -> dict[str, str]:
 
 def _row(name: str, label: str, s: dict[str, Any]) -> dict[str, Any]:
     """One summary row with the mean compute spent per task (as the bench plots it)."""
-    from .bench import _per_task
+    from .bench import per_task
 
     kind, _, value = label.partition("=")
     row = {"strategy": name, "spec": s.get("strategy", name), "budget": label, "budget_kind": kind,
            "budget_value": float(value) if value else None, "tasks": s["tasks"],
            "successes": s["successes"], "success_rate": s["success_rate"], "faults": s.get("faults", 0),
            "verifier_in_loop": bool(s.get("verifier_in_loop", False))}
-    row.update({k: round(_per_task(s, k), 4) for k in PER_TASK})
+    row.update({k: round(per_task(s, k), 4) for k in PER_TASK})
     return row
 
 

@@ -114,6 +114,15 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"cannot serialise {type(obj).__name__}")
 
 
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temp file renamed into place, so a reader never sees
+    half a file (summaries, tables, markers, reports)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
 def write_results(path: str | Path, results: list[SearchResult]) -> None:
     """Write ``results.jsonl`` atomically (a temp file renamed into place)."""
     path = Path(path)

@@ -134,9 +134,9 @@ class Run:
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
-    tmp.replace(path)
+    from omrl_search.result import write_text_atomic
+
+    write_text_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
 
 
 def policy_spec(model: str) -> str:
@@ -294,8 +294,7 @@ def run_loop(cfg: LoopConfig) -> dict[str, Any]:
     run = Run(cfg)
     run.open()
     model, prm = cfg.policy, None
-    evals = {0: run.stage("round_0/eval", eval_stage(cfg, model, None))}
-    history: list[dict[str, Any]] = [{"round": 0, "eval": evals[0]}]
+    history: list[dict[str, Any]] = [{"round": 0, "eval": run.stage("round_0/eval", eval_stage(cfg, model, None))}]
     for r in range(1, cfg.rounds + 1):
         info: dict[str, Any] = {"round": r}
         info["search"] = run.stage(f"round_{r}/search", search_stage(cfg, r, model, prm))
@@ -306,12 +305,12 @@ def run_loop(cfg: LoopConfig) -> dict[str, Any]:
         info["data"] = run.stage(f"round_{r}/data", data_stage(cfg, r))
         info["policy"] = run.stage(f"round_{r}/policy", policy_stage(cfg, r, model))
         model = info["policy"]["model"]
-        info["eval"] = evals[r] = run.stage(f"round_{r}/eval", eval_stage(cfg, model, prm))
+        info["eval"] = run.stage(f"round_{r}/eval", eval_stage(cfg, model, prm))
         history.append(info)
         text = round_report(cfg, history)
         (run.root / f"round_{r}" / "report.md").write_text(text)
         (run.root / "report.md").write_text(text)
-    return {r: e["success"] for r, e in evals.items()}
+    return {h["round"]: h["eval"]["success"] for h in history}
 
 
 def round_report(cfg: LoopConfig, history: list[dict[str, Any]]) -> str:

