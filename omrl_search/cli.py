@@ -14,7 +14,7 @@ from typing import Sequence
 
 from .api import SUMMARY_FIELDS, load_tasks, search_many, summarize
 from .budget import Budget
-from .env import TaskFileError, env_class, list_envs
+from .env import EnvError, TaskFileError, env_class, list_envs
 from .policy import PolicyError, list_policies, make_policy
 from .result import write_results, write_text_atomic
 from .reward import list_reward_models, make_reward_model
@@ -100,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "reward-models": list_reward_models}[args.command]
         print("\n".join(listing()))
         return 0
-    except (UsageError, SpecError, PolicyError, TaskFileError, ValueError, KeyError) as exc:
+    except (UsageError, SpecError, PolicyError, TaskFileError, EnvError, ValueError, KeyError) as exc:
         msg = exc.args[0] if exc.args else type(exc).__name__
         print(f"omrl: error: {msg}", file=sys.stderr)
         return 2
