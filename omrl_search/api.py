@@ -33,7 +33,8 @@ def search_many(tasks: Sequence[Task], *, strategy: "str | Strategy" = "react",
                 concurrency: int | None = None, progress: bool = False,
                 on_result: Callable[[SearchResult], None] | None = None,
                 env_factory: Callable[[str], Env] | None = None,
-                executor: str = "local", ray_address: str | None = None) -> list[SearchResult]:
+                executor: str = "local", ray_address: str | None = None,
+                schedule: str = "continuous", prefix_order: bool = True) -> list[SearchResult]:
     """Search every task with one strategy, batching all trees' LM and reward-model calls.
 
     ``budget`` applies to each task separately (``"tokens=20000"``, a dict, or a Budget).
@@ -41,6 +42,9 @@ def search_many(tasks: Sequence[Task], *, strategy: "str | Strategy" = "react",
     the cluster at ``ray_address``; see :mod:`omrl_search.executors`.
     ``env_factory(env_name)`` builds each search's env (default: in-process ``make_env``; e.g.
     ``envs.remote.remote_factory(url)`` for envs on an ``omrl env serve`` or AgentGym server).
+    ``schedule`` (``continuous`` | ``lockstep``) and ``prefix_order`` choose how the trees' LM
+    requests are grouped into policy calls (see :class:`~omrl_search.engine.Engine`); neither
+    changes a seeded search's trees, only how busy the LM is kept.
     """
     strat = make_strategy(strategy)
     where, options = parse_executor(executor)
@@ -52,11 +56,12 @@ def search_many(tasks: Sequence[Task], *, strategy: "str | Strategy" = "react",
                              policy=policy, reward_model=reward_model, progress=progress,
                              on_result=on_result, budget=Budget.parse(budget), seed=seed,
                              max_depth=max_depth, sampling=sampling, concurrency=concurrency,
-                             **extra)
+                             schedule=schedule, prefix_order=prefix_order, **extra)
     pol = make_policy(policy)
     engine = Engine(pol, reward_model=make_reward_model(reward_model), agent_format=ReActFormat(),
                     sampling=sampling, max_depth=max_depth, seed=seed,
-                    env_factory=env_factory or make_env)
+                    env_factory=env_factory or make_env, schedule=schedule,
+                    prefix_order=prefix_order)
     bar = None
     if progress:
         from tqdm import tqdm

@@ -121,6 +121,23 @@ def test_results_identical_whatever_the_batching(strategy):
         assert [_spent(r) for r in res] == [_spent(r) for r in ref]
 
 
+def test_search_many_passes_the_schedule_to_the_engine():
+    """``search_many(schedule=, prefix_order=)`` reaches the engine: lockstep leaves the short
+    tail calls continuous submission fills; the trees are the same either way."""
+    runs = {}
+    for schedule in ("lockstep", "continuous"):
+        policy = Recording(0.5)
+        policy.max_batch = 8
+        res = om.search_many(TASKS, strategy="react", policy=policy, seed=3, schedule=schedule,
+                             prefix_order=False)
+        runs[schedule] = (policy.batches, _trees(res))
+    assert _short_calls_with_work_left(runs["lockstep"][0], 8)
+    assert not _short_calls_with_work_left(runs["continuous"][0], 8)
+    assert runs["lockstep"][1] == runs["continuous"][1]
+    with pytest.raises(ValueError, match="unknown schedule"):
+        om.search_many(TASKS[:1], policy=Recording(), schedule="eager")
+
+
 def test_a_prompt_that_cannot_be_built_ends_only_its_own_search():
     from omrl_search.agent import ReActFormat
 
