@@ -21,9 +21,14 @@ the vLLM venv; a backend that cannot be built is reported and skipped):
     and only the prefix shared by a whole chunk prefilled once by the backend;
   - ``lockstep``: lockstep rounds with the requests sorted by prompt ids and the backend's
     group prefixes (an ablation: continuous submission off);
-  - ``continuous``: the engine now: each call takes the oldest waiting request and its
-    neighbours in prompt order up to ``max_batch`` sequences, a tree resumes as soon as its own
-    requests are answered, and the backend prefills a prefix shared by a group of prompts once.
+  - ``continuous``: each call takes the oldest waiting request and its neighbours in prompt
+    order up to ``max_batch`` sequences, a tree resumes as soon as its own requests are
+    answered, and the backend prefills a prefix shared by a group of prompts once (the engine
+    for backends that do not stream: ``hf``, ``llamacpp``);
+  - ``streaming``: the engine for backends with continuous batching of their own (``vllm``,
+    ``openai``; ``Policy.streams``): each request is submitted the moment its tree makes it and
+    joins the sequences already decoding; answers are collected as they finish. (Skipped for
+    backends that do not stream.)
 
 Figures: generated (completion) tokens per wall second and per CPU second of this process
 (other processes on a shared machine slow the wall figure more than the CPU figure), and
@@ -41,7 +46,7 @@ measured before and after the searches. OMP threads wait passively (``OMP_WAIT_P
 
     python benchmarks/lm_utilisation.py [--backends smollm2:hf,smollm2:llamacpp] [--tasks 16]
         [--budget tokens=1000] [--max-tokens 32] [--serial-tasks 2] [--reps 1]
-        [--modes serial,before,continuous] [--peak-prompts 32] [--peak-tokens 64]
+        [--modes serial,before,continuous,streaming] [--peak-prompts 32] [--peak-tokens 64]
 
 Prints a table, then as its last line one JSON object with every figure.
 """
@@ -62,7 +67,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import omrl_search as om  # noqa: E402
 from backend_throughput import requests as peak_requests  # noqa: E402
 from omrl_search.engine import Engine  # noqa: E402
-from omrl_search.types import SamplingParams  # noqa: E402
+from omrl_search.types import GenRequest, SamplingParams  # noqa: E402
 
 STRATEGIES = {"mcts": "mcts:leaves=4,k=3,value=logprob", "tot": "tot:b=3,k=3,n_evaluate=1"}
 MODES = {  # engine options, concurrency, the policy's max_batch (None: its own), group prefixes
@@ -70,6 +75,7 @@ MODES = {  # engine options, concurrency, the policy's max_batch (None: its own)
     "before": ({"schedule": "lockstep", "prefix_order": False}, None, None, False),
     "lockstep": ({"schedule": "lockstep", "prefix_order": True}, None, None, True),
     "continuous": ({"schedule": "continuous", "prefix_order": True}, None, None, True),
+    "streaming": ({"schedule": "continuous", "prefix_order": True}, None, None, True),
 }
 
 
@@ -79,6 +85,8 @@ class Metered(om.Policy):
     def __init__(self, inner: om.Policy):
         self.inner, self.name, self.tokenizer = inner, inner.name, inner.tokenizer
         self.max_batch, self.answers_prompts = inner.max_batch, inner.answers_prompts
+        self.streams = False  # set per mode: ``streaming`` only
+        self._tickets: dict[int, GenRequest] = {}
         self.reset()
 
     def reset(self) -> None:
@@ -122,6 +130,24 @@ class Metered(om.Policy):
         return out
 
 
+    def submit(self, tickets):
+        self._tickets.update(tickets)
+        self.calls += 1  # a submission; ``seqs_per_call`` is then sequences per submission
+        self.seqs += sum(r.params.n for _, r in tickets)
+        self.inner.submit(tickets)
+
+    def collect(self):
+        t0 = time.perf_counter()
+        done = self.inner.collect()
+        self.seconds += time.perf_counter() - t0
+        for ticket, gens in done:
+            self._tickets.pop(ticket, None)
+            if isinstance(gens, list):
+                self.generated += sum(g.completion_tokens for g in gens)
+                self.prompt += gens[0].prompt_tokens if gens else 0
+        return done
+
+
 def clear_cache(policy: om.Policy) -> None:
     """Start every run with an empty KV cache (llamacpp keeps one between calls)."""
     if hasattr(policy, "_reset_kv"):
@@ -150,6 +176,7 @@ def run_search(metered: Metered, strategy: str, tasks: list, args, mode: str) ->
     if hasattr(inner, "group_prefixes"):
         inner.group_prefixes = groups
     metered.reset()
+    metered.streams = mode == "streaming"
     clear_cache(inner)
     engine = Engine(metered, sampling=SamplingParams(1.0, 1.0, args.max_tokens), seed=0, **options)
     t0, c0 = time.perf_counter(), time.process_time()
@@ -200,6 +227,8 @@ def bench_backend(spec: str, args) -> dict:
         for name in args.strategies:
             trees = {}
             for mode in args.modes:
+                if mode == "streaming" and not getattr(policy, "streams", False):
+                    continue  # the backend has no continuous batching of its own
                 subset = tasks[:args.serial_tasks] if mode == "serial" else tasks
                 row, trees[mode] = run_search(metered, args.specs[name], subset, args, mode)
                 if not counts_prefill:
@@ -208,8 +237,9 @@ def bench_backend(spec: str, args) -> dict:
                 if best is None or row["tok_s"] > best["tok_s"]:
                     out["searches"][name][mode] = row
                 print(f"  {spec} {name} {mode} rep {rep}: {row}", file=sys.stderr)
-            if "before" in trees and "continuous" in trees:
-                out["searches"][name]["same_trees"] = trees["before"] == trees["continuous"]
+            last = "streaming" if "streaming" in trees else "continuous"
+            if "before" in trees and last in trees:
+                out["searches"][name]["same_trees"] = trees["before"] == trees[last]
     peaks.append(measure_peak(policy, args.peak_prompts, args.peak_tokens))
     print(f"  {spec} peak after: {peaks[-1]}", file=sys.stderr)
     out["peak"] = max(peaks, key=lambda p: p["tok_s"])
@@ -259,14 +289,14 @@ def print_table(figures: dict) -> None:
                       f"{r['seqs_per_call']:8.1f} {r['prompt_per_generated']:10.1f} "
                       f"{_num(r['prefilled_per_generated']):>11s} {r['lm_share']:8.2f}")
             if "same_trees" in modes:
-                print(f"{'':18s} {name:6s} before and continuous: same completions: {modes['same_trees']}")
+                print(f"{'':18s} {name:6s} before and the engine now: same completions: {modes['same_trees']}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backends", default="smollm2:hf,smollm2:llamacpp")
     ap.add_argument("--strategies", default="mcts,tot")
-    ap.add_argument("--modes", default="serial,before,continuous")
+    ap.add_argument("--modes", default="serial,before,continuous,streaming")
     ap.add_argument("--mcts", default=STRATEGIES["mcts"])
     ap.add_argument("--tot", default=STRATEGIES["tot"])
     ap.add_argument("--tasks", type=int, default=16)

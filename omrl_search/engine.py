@@ -10,6 +10,9 @@ so that shared prompt prefixes sit together, and a tree resumes as soon as its o
 topped up with its new requests (``schedule="continuous"``; ``"lockstep"`` serves every waiting
 request before resuming any tree, one round for all trees as in rStar-Math; see
 :mod:`omrl_search.batching`). Pending evaluations are served together in one reward-model call.
+A backend that batches continuously itself (``Policy.streams``: vLLM's engine, an
+OpenAI-compatible server) gets each request as soon as its tree makes it (``submit``) and hands
+back whichever are done (``collect``), so new requests join the sequences already decoding.
 Plain coroutines driven by ``send`` keep this deterministic and cheap (no event loop, no
 threads), and since every request's seed comes from its own tree, the schedule never changes a
 result.
@@ -61,6 +64,7 @@ class Engine:
         self.seed = seed
         self.env_factory = env_factory
         self.encoder = TurnEncoder(policy.tokenizer) if policy.tokenizer is not None else None
+        self._tickets = 0  # streaming request ids, unique per engine
 
     # --- driver ----------------------------------------------------------------------------
     def run(self, strategy: Any, tasks: Iterable[Task], budget: Budget | None = None, *,
@@ -79,6 +83,8 @@ class Engine:
         waiting = WaitingRequests()
         evals: dict[int, Op] = {}
         ready: list[tuple[int, Any]] = []  # trees to resume at once (an op with no requests)
+        inflight: dict[int, tuple[LMWait, int]] = {}  # streaming: submitted, not yet answered
+        streaming = self.schedule == "continuous" and bool(getattr(self.policy, "streams", False))
 
         def finish(i: int, stop: str) -> None:
             ctx, _ = live.pop(i)
@@ -130,11 +136,12 @@ class Engine:
                 for i, value in now:
                     advance(i, value)
                 continue
-            if not (waiting or evals):
+            if not (waiting or evals or inflight):
                 if live:  # every live search waits on something: a driver bug
                     raise RuntimeError("engine: live searches with nothing to serve")
                 continue
-            answers = self._serve(self._next(waiting, evals))
+            answers = (self._stream(waiting, evals, inflight) if streaming
+                       else self._serve(self._next(waiting, evals)))
             for i in sorted(answers):
                 advance(i, answers[i])
         return results  # type: ignore[return-value]
@@ -173,6 +180,42 @@ class Engine:
                     answers[wait.i] = self._answer(wait)
         if evals:
             answers.update(self._evaluate_all(evals))
+        return answers
+
+    def _stream(self, waiting: WaitingRequests, evals: dict[int, Op],
+                inflight: dict[int, tuple[LMWait, int]]) -> dict[int, Any]:
+        """One driver step with a streaming backend: submit every waiting request (the backend's
+        scheduler adds them to what is running), then serve the pending evaluations, or else
+        collect the requests done so far. Returns the answers of the ops now complete."""
+        answers: dict[int, Any] = {}
+        done: list[tuple[int, Any]] = []
+        if waiting:
+            items = waiting.take(None)
+            if self.prefix_order:
+                items.sort(key=lambda item: prompt_key(item[0].requests[item[1]]))
+            tickets = []
+            for item in items:
+                self._tickets += 1
+                inflight[self._tickets] = item
+                tickets.append((self._tickets, item[0].requests[item[1]]))
+            try:
+                self.policy.submit(tickets)
+            except Exception as exc:  # the whole submission failed: each request fails alone
+                done = [(t, exc) for t, _ in tickets]
+        if evals and not done:
+            ev = list(evals.items())
+            evals.clear()
+            return self._evaluate_all(ev)
+        if not done:
+            done = self.policy.collect()
+            if not done:
+                raise RuntimeError("engine: a streaming policy's collect() returned nothing")
+        for ticket, gens in done:
+            wait, slot = inflight.pop(ticket)
+            wait.gens[slot] = gens
+            wait.left -= 1
+            if not wait.left:
+                answers[wait.i] = self._answer(wait)
         return answers
 
     @property

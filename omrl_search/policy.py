@@ -48,6 +48,21 @@ class Policy(ABC):
     def generate(self, requests: list[GenRequest]) -> list[list[Generation]]:
         """Return ``requests[i].params.n`` generations for each request, in order."""
 
+    #: a backend with a continuously batching scheduler of its own (vLLM's engine, an
+    #: OpenAI-compatible server) sets this and implements :meth:`submit` / :meth:`collect`:
+    #: the engine then hands it each request as soon as a tree makes it, and new requests
+    #: join sequences already decoding instead of waiting for the slowest one of a call.
+    streams: bool = False
+
+    def submit(self, tickets: list[tuple[int, GenRequest]]) -> None:
+        """Start ``(ticket, request)`` pairs (streaming backends); answers come from :meth:`collect`."""
+        raise PolicyError(f"backend {self.name!r} does not stream")
+
+    def collect(self) -> list[tuple[int, "list[Generation] | Exception"]]:
+        """Wait until at least one submitted request is done; its ``(ticket, generations)``
+        (or the exception that request alone failed with), for every request done by now."""
+        raise PolicyError(f"backend {self.name!r} does not stream")
+
     def reload(self, path: str) -> None:
         """Pick up new weights (after training). Backends that can, override this."""
         raise PolicyError(f"backend {self.name!r} cannot reload weights")

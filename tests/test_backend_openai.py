@@ -267,6 +267,36 @@ def test_one_failing_request_does_not_lose_the_others(fake: Fake) -> None:
     assert len(fake.bodies) == 7
 
 
+def test_streamed_requests_are_answered_as_they_finish(fake: Fake) -> None:
+    """submit/collect: calls run at once (up to max_in_flight), each answer comes back with its
+    ticket as soon as it is there; a failing request fails alone."""
+    fake.gather, fake.delay = 2, 0.05
+    p = OpenAIPolicy(f"{fake.url}#m", max_in_flight=2, backoff=0.01)
+    p.submit([(7, req(seed=1)), (8, req(seed=2, content="BAD")), (9, req(seed=3))])
+    got: dict = {}
+    while len(got) < 3:
+        got.update(p.collect())
+    assert got[7][0].text == "Act: s1-0" and got[9][0].text == "Act: s3-0"
+    assert isinstance(got[8], PolicyError) and "bad prompt" in str(got[8])
+    assert fake.peak == 2 and p.collect() == []
+
+
+def test_engine_streams_to_the_server_and_trees_match_batched_calls(fake: Fake) -> None:
+    """A seeded search: streaming (default) and batched ``generate`` calls (lockstep) send the
+    same requests and build the same trees; the garbage-free fake answers by seed."""
+    tasks = api.load_tasks("game24", "test", limit=3)
+    runs = {}
+    for schedule in ("continuous", "lockstep"):
+        fake.bodies.clear()
+        p = OpenAIPolicy(f"{fake.url}#m", max_in_flight=4)
+        res = api.search_many(tasks, strategy="best_of_n:n=2", policy=p, seed=0, max_depth=2,
+                              schedule=schedule)
+        runs[schedule] = ([r.to_dict()["tree"] for r in res],
+                          sorted(json.dumps(b, sort_keys=True) for b in fake.bodies))
+        p.close()
+    assert runs["continuous"] == runs["lockstep"]
+
+
 # --- for real: llama-cpp-python's server on the bundled SmolLM2 -------------------------------
 @pytest.fixture(scope="module")
 def llama_server():

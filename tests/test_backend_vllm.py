@@ -190,6 +190,38 @@ def test_a_failed_engine_step_leaves_no_request_behind(policy, monkeypatch) -> N
 
 
 @needs_vllm
+def test_streamed_requests_equal_generate_and_join_a_running_batch(policy) -> None:
+    """submit/collect (vLLM's continuous batching) gives each seeded request the same answer as
+    ``generate``; a request submitted while others decode joins them; bad ones fail alone."""
+    reqs = [req(policy, MSGS[i % 3], temperature=1.0, max_tokens=12, n=2, seed=i) for i in range(4)]
+    want = [[g.token_ids for g in gens] for gens in policy.generate(reqs)]
+    bad = GenRequest(MSGS[0], SamplingParams(max_tokens=6), prompt_ids=[1, 10**9])
+    policy.submit([(10, reqs[0]), (11, reqs[1]), (12, bad)])
+    got = dict(policy.collect())
+    assert isinstance(got.pop(12), PolicyError)
+    policy.submit([(13, reqs[2]), (14, reqs[3])])  # joins whatever of 10, 11 still runs
+    while len(got) < 4:
+        got.update(policy.collect())
+    assert [[g.token_ids for g in got[t]] for t in (10, 11, 13, 14)] == want
+    assert not policy._running and not policy.llm.llm_engine.has_unfinished_requests()
+
+
+@needs_vllm
+def test_streaming_and_generate_searches_agree(policy) -> None:
+    """The engine streams to vLLM by default; a seeded search gives the trees the lockstep
+    (generate) schedule gives, up to batch-dependent float noise in the logits (float32 here)."""
+    tasks = api.load_tasks("game24", "test", limit=3)
+    sampling = SamplingParams(temperature=1.0, max_tokens=16)
+    runs = {sched: api.search_many(tasks, strategy="best_of_n:n=3", policy=policy, seed=0,
+                                   max_depth=2, sampling=sampling, schedule=sched)
+            for sched in ("continuous", "lockstep")}
+    texts = {k: [[s.completion for t in r.trajectories for s in t.steps] for r in v]
+             for k, v in runs.items()}
+    assert texts["continuous"] == texts["lockstep"]
+    assert all(not r.faults for r in runs["continuous"])
+
+
+@needs_vllm
 def test_game24_search_through_vllm(policy) -> None:
     tasks = api.load_tasks("game24", "test", limit=2)
     sampling = SamplingParams(temperature=1.0, max_tokens=24)

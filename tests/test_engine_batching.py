@@ -138,6 +138,64 @@ def test_search_many_passes_the_schedule_to_the_engine():
         om.search_many(TASKS[:1], policy=Recording(), schedule="eager")
 
 
+class Streaming(Recording):
+    """The oracle as a streaming backend: ``submit`` queues requests; each ``collect`` finishes
+    a seeded-random non-empty part of what is running (as a continuous batcher would: short
+    completions first, in no fixed order). Records what was running when each request came."""
+
+    streams = True
+
+    def __init__(self, p=0.5, seed=0, fail=None):
+        super().__init__(p)
+        self.running, self.joined, self.fail = {}, [], fail
+        self.rng = __import__("random").Random(seed)
+
+    def submit(self, tickets):
+        for t, req in tickets:
+            self.joined.append(len(self.running))
+            self.running[t] = req
+
+    def collect(self):
+        tickets = sorted(self.running)
+        done = self.rng.sample(tickets, self.rng.randint(1, len(tickets)))
+        out = []
+        for t in sorted(done):
+            req = self.running.pop(t)
+            if self.fail and req.meta["task"].task_id == self.fail:
+                out.append((t, RuntimeError("server hiccup")))
+            else:
+                out.append((t, super().generate([req])[0]))
+        return out
+
+
+@pytest.mark.parametrize("strategy", ["mcts:simulations=16,leaves=3,k=2,value=rollout",
+                                      "tot:b=2,k=3", "best_of_n:n=5", "dfsdt"])
+def test_streaming_backends_get_requests_while_others_run_and_trees_are_unchanged(strategy):
+    """With a streaming policy each request is submitted as soon as its tree makes it (joining
+    requests still running) and answered in any order: the trees equal the lockstep ones."""
+    tasks = TASKS[:9]
+    _, ref = _recorded(strategy, tasks, 1 << 30, schedule="lockstep", prefix_order=False)
+    for seed in (0, 1):
+        policy = Streaming(seed=seed)
+        res = Engine(policy, seed=3).run(om.make_strategy(strategy), tasks)
+        assert _trees(res) == _trees(ref)
+        assert [_spent(r) for r in res] == [_spent(r) for r in ref]
+        assert max(policy.joined) > 0 and not policy.running  # joined a running batch; all answered
+    lock = Streaming()
+    Engine(lock, seed=3, schedule="lockstep").run(om.make_strategy(strategy), tasks)
+    assert not lock.joined and lock.batches  # lockstep keeps to generate()
+
+
+def test_a_failed_streamed_request_is_a_fault_of_its_own_tree_only():
+    bad = TASKS[2].task_id
+    res = Engine(Streaming(fail=bad), seed=3).run(om.make_strategy("best_of_n:n=3"), TASKS[:5])
+    for r in res:
+        if r.task.task_id == bad:
+            assert r.faults and all("RuntimeError: server hiccup" in f for f in r.faults)
+        else:
+            assert not r.faults and len(r.tree.nodes) > 1
+
+
 def test_a_prompt_that_cannot_be_built_ends_only_its_own_search():
     from omrl_search.agent import ReActFormat
 

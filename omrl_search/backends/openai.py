@@ -43,6 +43,13 @@ other request of the batch has finished; the engine then asks again one request 
 those calls are answered from what this batch already got (no second HTTP call), so only the
 failing request becomes a fault of its own node.
 
+The backend streams (``stream=true``, the default): under the engine's continuous schedule each
+request goes to the server as soon as its tree makes it, on a pool of ``max_in_flight`` request
+threads, and the engine takes answers as they arrive; a continuously batching server (vLLM,
+SGLang) then adds new requests to the sequences it is decoding. A request that fails after its
+retries is a fault of its own node only. ``stream=false`` (or the ``lockstep`` schedule) uses
+batched ``generate`` calls as above.
+
 ``reload(path)`` is not possible: the server holds the weights; restart it on the new checkpoint.
 An API key is read from the environment variable named by ``api_key_env`` (``OPENAI_API_KEY``).
 """
@@ -80,7 +87,7 @@ class OpenAIPolicy(Policy):
     def __init__(self, url: str, tokenizer: Any = None, endpoint: str = "auto",
                  send_ids: bool = False, max_in_flight: int = 16, timeout: float = 60.0,
                  connect_timeout: float = 10.0, retries: int = 3, backoff: float = 0.5,
-                 logprobs: bool = True, max_batch: int = 64,
+                 logprobs: bool = True, max_batch: int = 64, stream: bool = True,
                  api_key_env: str = "OPENAI_API_KEY") -> None:
         self._httpx = require("httpx", "openai")
         base, _, model = str(url).partition("#")
@@ -97,6 +104,9 @@ class OpenAIPolicy(Policy):
         self._server_n: int | None = None  # most choices one call returned, once seen short
         self._memo: dict[int, tuple[GenRequest, Any]] = {}  # a failed batch's answers, see generate
         self._pool = None
+        self.streams = bool(stream)
+        self._streams = None  # the request threads of submit()
+        self._futures: dict[Any, int] = {}  # submitted request -> ticket
         headers = {"Content-Type": "application/json"}
         key = os.environ.get(api_key_env or "")
         if key:
@@ -204,6 +214,31 @@ class OpenAIPolicy(Policy):
         return [e if e is not None else [g for _, part in sorted(parts, key=lambda p: p[0]) for g in part]
                 for parts, e in zip(got, errors)]
 
+    # --- streaming ------------------------------------------------------------------------
+    def submit(self, tickets: list[tuple[int, GenRequest]]) -> None:
+        if self._streams is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._streams = ThreadPoolExecutor(self.max_in_flight, thread_name_prefix="omrl-openai-req")
+        for ticket, req in tickets:
+            self._futures[self._streams.submit(self._generate_all, [req])] = ticket
+
+    def collect(self) -> list[tuple[int, Any]]:
+        """The requests answered so far (waiting for the first if none is)."""
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        if not self._futures:
+            return []
+        done, _ = wait(list(self._futures), return_when=FIRST_COMPLETED)
+        out = []
+        for fut in done:
+            ticket = self._futures.pop(fut)
+            try:
+                out.append((ticket, fut.result()[0]))
+            except Exception as exc:  # noqa: BLE001 - _generate_all catches; this is a last guard
+                out.append((ticket, PolicyError(f"openai: {_first_line(exc)}")))
+        return sorted(out, key=lambda item: item[0])
+
     def _map(self, fn: Any, items: list) -> list[Any]:
         """``fn`` over ``items`` on the pool, each result or the exception it raised."""
         def safe(item: Any) -> Any:
@@ -309,6 +344,9 @@ class OpenAIPolicy(Policy):
                           f"({path}) and keep the same spec")
 
     def close(self) -> None:
+        if self._streams is not None:
+            self._streams.shutdown(wait=False, cancel_futures=True)
+            self._streams = None
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None

@@ -13,9 +13,13 @@ How it runs:
   over the model folder's tokenizer); completions come back as ids with the raw log-probability
   of each chosen token (``logprobs=0``, vLLM's ``raw_logprobs`` mode: the unscaled model
   distribution, as the ``hf`` and ``llamacpp`` backends record);
-* one ``LLM.generate`` call per engine round: vLLM schedules every request and its ``n``
-  samples together; with prefix caching the shared system prompt and the previous turns of a
-  path are computed once (whole KV blocks);
+* streaming (``streams``, the default): the engine hands over each request as soon as its tree
+  makes it and vLLM's own scheduler adds it to the sequences already decoding
+  (``LLMEngine.add_request``; ``collect`` runs ``LLMEngine.step`` until some request is done):
+  continuous batching, no call waits for its slowest sequence. With ``stream=false`` (and under
+  the engine's ``lockstep`` schedule) one ``LLM.generate`` call serves each engine call. Either
+  way prefix caching computes the shared system prompt and the previous turns of a path once
+  (whole KV blocks);
 * each request has its own seed (vLLM gives sample ``i`` of a request ``seed + i``), so a
   request's samples do not depend on what else is in the batch; a greedy request
   (temperature 0) runs once and its ``n`` copies are returned (vLLM refuses ``n > 1`` there);
@@ -117,8 +121,12 @@ class VLLMPolicy(Policy):
     def __init__(self, model: str, dtype: str = "auto", max_model_len: int = 4096,
                  max_batch: int = 256, seed: int = 0, kv_cache_gib: float | None = None,
                  enforce_eager: bool | None = None, tokenizer: str | None = None,
-                 verbose: bool = False, **engine_args: Any) -> None:
+                 verbose: bool = False, stream: bool = True, **engine_args: Any) -> None:
         self._vllm = _import_vllm(bool(verbose))
+        self.streams = bool(stream)
+        self._running: dict[str, tuple[int, GenRequest, int]] = {}  # vLLM id -> ticket, request, prompt length
+        self._done: list[tuple[int, Any]] = []  # answered at submit (bad or empty requests)
+        self._serial = 0
         self.max_batch = max(1, int(max_batch))
         self._engine_args = dict(engine_args, dtype=dtype, max_model_len=int(max_model_len),
                                  seed=int(seed), enable_prefix_caching=True,
@@ -231,8 +239,7 @@ class VLLMPolicy(Policy):
         run = []
         for i, (req, ids) in enumerate(zip(requests, prompts)):
             if req.params.max_tokens <= 0:
-                out[i] = [Generation("", [], [], len(ids), 0, "length", False)
-                          for _ in range(req.params.n)]
+                out[i] = _empty(req, len(ids))
             elif req.params.n > 0:
                 run.append(i)
         if not run:
@@ -247,11 +254,60 @@ class VLLMPolicy(Policy):
             self._abort_unfinished()
             raise PolicyError(f"vllm: generation failed: {_first_line(exc)}") from None
         for i, res in zip(run, results):
-            outs = sorted(res.outputs, key=lambda o: o.index)
-            gens = [self._generation(o, len(prompts[i])) for o in outs]
-            n = requests[i].params.n
-            out[i] = gens if len(gens) == n else [_copy(gens[k % len(gens)]) for k in range(n)]
+            out[i] = self._generations(res, requests[i], len(prompts[i]))
         return out
+
+    def _generations(self, res: Any, req: GenRequest, prompt_len: int) -> list[Generation]:
+        """A finished ``RequestOutput`` as the request's ``n`` generations (a greedy request ran
+        once: its copies)."""
+        gens = [self._generation(o, prompt_len) for o in sorted(res.outputs, key=lambda o: o.index)]
+        n = req.params.n
+        return gens if len(gens) == n else [_copy(gens[k % len(gens)]) for k in range(n)]
+
+    # --- streaming: vLLM's continuous batching ----------------------------------------------
+    def submit(self, tickets: list[tuple[int, GenRequest]]) -> None:
+        if self.llm is None:
+            raise PolicyError("vllm: policy is closed")
+        engine = self.llm.llm_engine
+        final_only = self._vllm.sampling_params.RequestOutputKind.FINAL_ONLY
+        for ticket, req in tickets:
+            try:
+                ids = self._prompt_ids(req)
+            except PolicyError as exc:  # a bad request fails alone
+                self._done.append((ticket, exc))
+                continue
+            if req.params.max_tokens <= 0 or req.params.n <= 0:
+                self._done.append((ticket, _empty(req, len(ids))))
+                continue
+            params = self._params(req, len(ids))
+            params.output_kind = final_only  # one output per request, when it is finished
+            self._serial += 1
+            rid = f"omrl-{self._serial}"  # outputs carry this id (add_request returns an internal one)
+            try:
+                engine.add_request(rid, {"prompt_token_ids": ids}, params)
+            except Exception as exc:  # noqa: BLE001
+                self._done.append((ticket, PolicyError(f"vllm: request refused: {_first_line(exc)}")))
+                continue
+            self._running[rid] = (ticket, req, len(ids))
+
+    def collect(self) -> list[tuple[int, Any]]:
+        """Step vLLM's engine until some request is done; every request done by then."""
+        done, self._done = self._done, []
+        engine = self.llm.llm_engine
+        try:
+            while not done and self._running:
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError("the engine dropped requests it had accepted")
+                for res in engine.step():
+                    item = self._running.pop(res.request_id, None) if res.finished else None
+                    if item is not None:
+                        done.append((item[0], self._generations(res, item[1], item[2])))
+        except Exception as exc:  # noqa: BLE001 - a failed step fails what was running, not the search
+            self._abort_unfinished()
+            error = PolicyError(f"vllm: generation failed: {_first_line(exc)}")
+            done += [(ticket, error) for ticket, _, _ in self._running.values()]
+            self._running.clear()
+        return done
 
     def _abort_unfinished(self) -> None:
         """Drop the requests a failed ``generate`` left in the engine: ``LLM.generate`` runs
@@ -271,6 +327,11 @@ class VLLMPolicy(Policy):
                and ids[-1] in self.tokenizer.eos_token_ids)
         return Generation(text=o.text, token_ids=ids, logprobs=lps, prompt_tokens=prompt_len,
                           completion_tokens=len(ids), finish_reason=reason, ended_with_eos=eos)
+
+
+def _empty(req: GenRequest, prompt_len: int) -> list[Generation]:
+    """The answer to a request for no tokens."""
+    return [Generation("", [], [], prompt_len, 0, "length", False) for _ in range(req.params.n)]
 
 
 def _copy(g: Generation) -> Generation:
