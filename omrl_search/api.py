@@ -8,7 +8,7 @@ from .budget import Budget
 from .engine import Engine
 from .env import Env, env_class, make_env
 from .executors import parse_executor
-from .policy import Policy, make_policy
+from .policy import Policy, PolicyError, make_policy
 from .result import SearchResult
 from .reward import RewardModel, make_reward_model
 from .strategy import Strategy, make_strategy
@@ -34,7 +34,8 @@ def search_many(tasks: Sequence[Task], *, strategy: "str | Strategy" = "react",
                 on_result: Callable[[SearchResult], None] | None = None,
                 env_factory: Callable[[str], Env] | None = None,
                 executor: str = "local", ray_address: str | None = None,
-                schedule: str = "continuous", prefix_order: bool = True) -> list[SearchResult]:
+                schedule: str = "continuous", prefix_order: bool = True,
+                policy_weights: tuple[Any, Any] | None = None) -> list[SearchResult]:
     """Search every task with one strategy, batching all trees' LM and reward-model calls.
 
     ``budget`` applies to each task separately (``"tokens=20000"``, a dict, or a Budget).
@@ -45,6 +46,8 @@ def search_many(tasks: Sequence[Task], *, strategy: "str | Strategy" = "react",
     ``schedule`` (``continuous`` | ``lockstep``) and ``prefix_order`` choose how the trees' LM
     requests are grouped into policy calls (see :class:`~omrl_search.engine.Engine`); neither
     changes a seeded search's trees, only how busy the LM is kept.
+    ``policy_weights=(version, state_dict)`` (Ray only): the actors' ``hf:`` policy searches with
+    these weights (pushed once per version; online GRPO sends its live weights every round).
     """
     strat = make_strategy(strategy)
     where, options = parse_executor(executor)
@@ -54,9 +57,12 @@ def search_many(tasks: Sequence[Task], *, strategy: "str | Strategy" = "react",
         extra = {"env_factory": env_factory} if env_factory is not None else {}
         return search_on_ray(tasks, options=options, ray_address=ray_address, strategy=strat,
                              policy=policy, reward_model=reward_model, progress=progress,
-                             on_result=on_result, budget=Budget.parse(budget), seed=seed,
+                             on_result=on_result, policy_weights=policy_weights,
+                             budget=Budget.parse(budget), seed=seed,
                              max_depth=max_depth, sampling=sampling, concurrency=concurrency,
                              schedule=schedule, prefix_order=prefix_order, **extra)
+    if policy_weights is not None:
+        raise PolicyError("policy_weights need executor=ray (in process, load them into the policy object)")
     pol = make_policy(policy)
     engine = Engine(pol, reward_model=make_reward_model(reward_model), agent_format=ReActFormat(),
                     sampling=sampling, max_depth=max_depth, seed=seed,

@@ -25,6 +25,16 @@ failed results with the error as their fault, and a fresh actor takes its place.
 kept for the next call with the same policy, reward model and resources (``omrl bench`` over
 strategies and budgets builds the model once per actor); :func:`release` frees them.
 
+Weight refresh: ``policy_weights=(version, state_dict)`` makes every actor's policy search with
+these weights (a torch ``state_dict`` of CPU tensors, e.g. a trainer's live model: online GRPO
+sends its own before every rollout round). They are put in Ray's object store once per
+``version``, and an actor loads them (``load_state_dict``, strict) only when it holds another
+version, so the kept actors are never rebuilt for new weights and the same version sent again
+costs nothing: ``version`` must change whenever the weights do. The policy must be an ``hf:``
+spec (it gives architecture, tokenizer and dtype; the push gives the weights); another policy,
+or weights that do not fit, is one PolicyError. Actors keep the last weights pushed to them
+until :func:`release` (or a call with another policy spec).
+
 Envs are stepped where their tree is searched: inside the actor (``env_factory`` travels with
 the other search arguments, so ``--env-server URL`` works here too). Per tree the engine steps one
 env call at a time, so an env on an actor of its own would add a round trip per step without
@@ -63,9 +73,11 @@ def parse_executor(spec: str) -> tuple[str, dict[str, Any]]:
 def search_on_ray(tasks: Sequence[Task], *, options: dict[str, Any], ray_address: str | None,
                   strategy: Any, policy: Any, reward_model: Any, progress: bool = False,
                   on_result: Callable[[SearchResult], None] | None = None,
+                  policy_weights: tuple[Any, Any] | None = None,
                   **search_kwargs: Any) -> list[SearchResult]:
     """``search_many(tasks, ...)`` on Ray actors; ``search_kwargs`` are passed to each actor's
-    ``search_many`` (budget, seed, max_depth, sampling, concurrency, env_factory)."""
+    ``search_many`` (budget, seed, max_depth, sampling, concurrency, env_factory).
+    ``policy_weights=(version, state_dict)``: load these weights into the actors' policy first."""
     ray = _ray(ray_address)
     policy, pkey = _portable(ray, policy, "policy", "e.g. 'smollm2:llamacpp' or 'openai:http://HOST:8000/v1#MODEL'")
     reward_model, rkey = _portable(ray, reward_model, "reward model", "e.g. 'prm:PATH'")
@@ -80,6 +92,7 @@ def search_on_ray(tasks: Sequence[Task], *, options: dict[str, Any], ray_address
     chunks = [list(range(i, min(i + chunk, len(tasks)))) for i in range(0, len(tasks), chunk)]
     pool = _pool(ray, (pkey, rkey, tuple(sorted(per_actor.items()))), per_actor,
                  (policy, reward_model), workers)
+    weights = pool.push(policy_weights, workers) if policy_weights is not None else None
 
     bar = None
     if progress:
@@ -93,7 +106,8 @@ def search_on_ray(tasks: Sequence[Task], *, options: dict[str, Any], ray_address
     def submit(slot: int) -> None:
         if chunks:
             idx = chunks.pop(0)
-            running[pool.actors[slot].run.remote(strategy, [tasks[i] for i in idx], search_kwargs)] = (slot, idx)
+            chunk_tasks = [tasks[i] for i in idx]
+            running[pool.actors[slot].run.remote(strategy, chunk_tasks, search_kwargs, weights)] = (slot, idx)
 
     try:
         for slot in range(workers):
@@ -131,6 +145,7 @@ class _Pool:
         self.ray, self.key, self.args = ray, key, args
         self.cls = ray.remote(**per_actor)(_SearchWorker)
         self.actors: list[Any] = []
+        self.weights: tuple[Any, list[Any]] | None = None  # (version, [its object ref])
 
     def grow(self, n: int) -> None:
         """At least ``n`` actors, each checked to have built its policy (else one PolicyError)."""
@@ -140,6 +155,20 @@ class _Pool:
         if errors:
             release()
             raise PolicyError(errors[0])
+
+    def push(self, policy_weights: tuple[Any, Any], n: int) -> tuple[Any, list[Any]]:
+        """Put ``(version, state_dict)`` in the object store (once per version) and load it into
+        the first ``n`` actors (each skips a version it holds); (version, [ref]) for ``run``,
+        which loads it into an actor that replaced a dead one. Weights that do not fit: one
+        PolicyError."""
+        version, state = policy_weights
+        if self.weights is None or self.weights[0] != version:
+            self.weights = None  # drop the old weights' ref before putting the new ones
+            self.weights = (version, [self.ray.put(dict(state))])  # a list: Ray passes the ref as is
+        errors = [e for e in self.ray.get([a.load_weights.remote(*self.weights) for a in self.actors[:n]]) if e]
+        if errors:
+            raise PolicyError(errors[0])
+        return self.weights
 
     def replace(self, slot: int) -> None:
         self.ray.kill(self.actors[slot])
@@ -171,6 +200,7 @@ class _SearchWorker:
         from .reward import make_reward_model
 
         self._error = ""
+        self._version: Any = None  # of the weights pushed last (None: those the spec loaded)
         try:
             self.policy = make_policy(policy)
             self.reward_model = make_reward_model(reward_model)
@@ -181,8 +211,36 @@ class _SearchWorker:
     def error(self) -> str:
         return self._error
 
-    def run(self, strategy: Any, tasks: list[Task], kwargs: dict[str, Any]) -> list[dict[str, Any]]:
+    def load_weights(self, version: Any, ref: list[Any]) -> str:
+        """Load the pushed ``state_dict`` (``ref[0]``) into the policy's model unless this
+        ``version`` is loaded already; the error line, or "" when done."""
+        if version == self._version:
+            return ""
+        model = getattr(self.policy, "model", None)
+        if not hasattr(model, "load_state_dict"):
+            return (f"policy_weights need a policy with torch weights ('hf:PATH'), "
+                    f"not {type(self.policy).__name__}")
+        import ray
+
+        state, own = ray.get(ref[0]), model.state_dict()
+        missing, unexpected = [k for k in own if k not in state], [k for k in state if k not in own]
+        why = f"missing {missing[:2]}, unexpected {unexpected[:2]}" if missing or unexpected else ""
+        if not why:
+            try:
+                model.load_state_dict(state)
+            except RuntimeError as exc:  # a shape mismatch
+                why = " ".join(line.strip() for line in str(exc).splitlines()[1:3])
+        if why:
+            return f"policy_weights do not fit the workers' {type(model).__name__}: {why}"
+        self._version = version
+        return ""
+
+    def run(self, strategy: Any, tasks: list[Task], kwargs: dict[str, Any],
+            weights: tuple[Any, list[Any]] | None = None) -> list[dict[str, Any]]:
         from .api import search_many
+
+        if weights is not None and (error := self.load_weights(*weights)):
+            raise PolicyError(error)
 
         results = search_many(tasks, strategy=strategy, policy=self.policy,
                               reward_model=self.reward_model, **kwargs)

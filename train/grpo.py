@@ -11,21 +11,35 @@
   round's samples under the clip). The pending samples of a round are saved in checkpoints, so
   ``resume`` continues exactly. Online, ``batch_size`` is not used: a round's rows are split
   evenly over its ``steps_per_round * grad_accum`` micro-batches.
+* **online on Ray** (``online.executor: ray:workers=4``, ``online.ray_address``): the rounds
+  are searched on Ray actors (:mod:`omrl_search.executors`), each holding an hf policy built from
+  ``hf:<model folder>:dtype=float32``; before every round the trainer's live weights (LoRA
+  merged, on a copy) are pushed to them through Ray's object store (``policy_weights``), so
+  they sample with the current policy; the actors are kept across rounds and only reload
+  weights. The pushed version (the optimizer step) is logged as ``pushed_version``. Tasks are
+  seeded from ``(seed, task_id)`` as in process, but an hf policy samples per batch and a
+  batch depends on which tasks share an actor, so the samples differ from an in-process run
+  (not their distribution). The model folder must exist on every Ray node.
 
 With ``kl_coef > 0`` a k3 KL penalty to the reference (the initial policy: adapter disabled
 under LoRA, else a frozen copy) is added per token.
 """
 from __future__ import annotations
 
+import os
 import random
+import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from omrl_search.executors import parse_executor
 
 from .common import Reference, make_builder, pad_id, policy_logprobs
 from .data import RowBuilder, TokenRow, collate, load_grpo
 from .losses import clip_policy_loss, group_advantages
-from .runtime import ListSource, Runner, TrainConfig, TrainError, load_model, resolve_model_path
+from .runtime import (ListSource, Runner, TrainConfig, TrainError, is_peft, load_model,
+                      resolve_model_path)
 
 Agg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
@@ -44,6 +58,14 @@ class OnlineSettings(BaseModel):
     max_tokens: int = Field(64, ge=1)
     max_depth: int | None = Field(None, ge=1)
     budget: str | None = None
+    executor: str = "local"  # or e.g. "ray:workers=4": sample on Ray actors, weights pushed per round
+    ray_address: str | None = None  # join this Ray cluster ("auto", "ray://HEAD:10001")
+
+    @field_validator("executor")
+    @classmethod
+    def _known_executor(cls, spec: str) -> str:
+        parse_executor(spec)  # a bad spec: one line naming the syntax
+        return spec
 
 
 class GRPOConfig(TrainConfig):
@@ -111,6 +133,8 @@ class RolloutSource:
         self.stats: dict[str, float] = {}
         self.last_fault = ""
         self._policy: Any = None
+        self.remote = parse_executor(cfg.online.executor)[0] != "local"
+        self._run = uuid.uuid4().hex[:8]  # pushed versions are (run, step): no clash between runs
 
     def policy(self, runner: Runner) -> Any:
         """The hf backend over the model being trained (its own copy is dropped at once)."""
@@ -123,6 +147,12 @@ class RolloutSource:
             self._policy = pol
         self._policy.model = runner.module
         return self._policy
+
+    def remote_policy(self) -> str:
+        """The spec the Ray actors build their policy from: architecture, tokenizer and dtype
+        from the base model's folder (the weights come from the push)."""
+        path, gguf = resolve_model_path(self.cfg.model)
+        return f"hf:{os.path.abspath(path)}:dtype=float32" + (f",gguf_file={gguf}" if gguf else "")
 
     def next_batch(self, runner: Runner) -> list[TokenRow] | None:
         tries = 0
@@ -142,18 +172,24 @@ class RolloutSource:
         on = self.on
         tasks = [self.tasks[(self.cursor + i) % len(self.tasks)] for i in range(on.tasks_per_round)]
         self.cursor = (self.cursor + on.tasks_per_round) % len(self.tasks)
-        model = runner.module
-        was = model.training
-        model.eval()
-        try:
-            with runner.autocast():
-                results = search_many(tasks, strategy=on.strategy, policy=self.policy(runner),
-                                      budget=on.budget, seed=self.cfg.seed * 100_003 + self.round,
-                                      max_depth=on.max_depth,
-                                      sampling=SamplingParams(temperature=on.temperature,
-                                                              max_tokens=on.max_tokens))
-        finally:
-            model.train(was)
+        search = dict(strategy=on.strategy, budget=on.budget, seed=self.cfg.seed * 100_003 + self.round,
+                      max_depth=on.max_depth,
+                      sampling=SamplingParams(temperature=on.temperature, max_tokens=on.max_tokens))
+        if self.remote:
+            version = runner.policy_version
+            results = search_many(tasks, policy=self.remote_policy(), executor=on.executor,
+                                  ray_address=on.ray_address,
+                                  policy_weights=((self._run, version), live_weights(runner.module)),
+                                  **search)
+        else:
+            model = runner.module
+            was = model.training
+            model.eval()
+            try:
+                with runner.autocast():
+                    results = search_many(tasks, policy=self.policy(runner), **search)
+            finally:
+                model.train(was)
         self.round += 1
         self.last_fault = next((f for r in results for f in r.faults), "")
         rows: list[TokenRow] = []
@@ -171,6 +207,8 @@ class RolloutSource:
         self.stats = {"rollout_success": sum(r.success for r in results) / len(results),
                       "rollout_reward": sum(r.reward for r in rows) / len(rows) if rows else 0.0,
                       "rollout_rows": float(len(rows)), "round": float(self.round)}
+        if self.remote:
+            self.stats["pushed_version"] = float(version)
         if not rows:
             return
         random.Random(self.cfg.seed * 7919 + self.round).shuffle(rows)
@@ -187,6 +225,20 @@ class RolloutSource:
         self.pending, self.stats = state["pending"], state["stats"]
 
 
+def live_weights(module: Any) -> dict[str, Any]:
+    """The policy LM's weights as CPU tensors, to push to sampling actors: PPO's value model
+    sends its ``lm``; a LoRA model its merged weights (merged on a copy, the adapter stays)."""
+    import copy
+
+    import torch
+
+    lm = module.lm if hasattr(module, "v_head") else module
+    with torch.no_grad():
+        if is_peft(lm):
+            lm = copy.deepcopy(lm).merge_and_unload()
+        return {k: v.detach().to("cpu") for k, v in lm.state_dict().items()}
+
+
 def make_source(cfg: GRPOConfig, model: Any, tok: Any) -> tuple[Any, int | None]:
     """(batch source, total steps) for offline data or online sampling."""
     builder = make_builder(cfg, model, tok)
@@ -197,6 +249,12 @@ def make_source(cfg: GRPOConfig, model: Any, tok: Any) -> tuple[Any, int | None]
         return ListSource(rows, cfg.batch_size, seed=cfg.seed), None
     if cfg.max_steps is None:
         raise TrainError("online GRPO needs max_steps (rounds x steps_per_round)")
+    if parse_executor(cfg.online.executor)[0] == "local":
+        if cfg.online.ray_address:
+            raise TrainError("online.ray_address needs online.executor=ray (e.g. ray:workers=4)")
+    elif cfg.deepspeed is not None and cfg.deepspeed.stage == 3:
+        raise TrainError("online.executor=ray pushes whole weights to its actors: "
+                         "use deepspeed stage 2, not 3 (partitioned weights)")
     from omrl_search.api import load_tasks
 
     try:
