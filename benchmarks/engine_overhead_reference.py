@@ -18,14 +18,30 @@ policy are subtracted the same way on both sides where possible: the env by repl
 tree's env calls afterwards on a fresh env (omrl: ``engine_overhead.env_seconds``;
 llm-reasoners: the world model's ``init_state``, ``step`` and ``is_terminal`` calls, read off
 the final tree), the policy by its own clock (omrl) or by replaying every ``SearchConfig`` hook
-(``get_actions``, ``fast_reward``, ``reward``) the search made (llm-reasoners). What is left is
-"overhead": omrl's engine + strategy code, or llm-reasoners' MCTS code.
+(``get_actions``, ``fast_reward``, ``reward``) the search made (plain llm-reasoners rows). What
+is left is "overhead": omrl's engine + strategy code, or llm-reasoners' MCTS code.
+
+The ``llm-reasoners + agent hooks`` row is the library as an LLM agent uses it: its state
+carries the path's text (first observation, then each turn's completion and observation);
+``get_actions`` renders the chat for it with our ``ReActFormat`` and the policy's
+``ByteChatTokenizer`` (render + encode, the text and ids an LM would receive), asks the same
+``ZeroCostPolicy`` for k completions in one request, and parses each with ``ReActFormat.parse``;
+the world model steps the parsed action. Only the env calls (replayed) and the policy (its own
+clock, as on our side) are subtracted, so prompt building, parsing, request objects, the
+state's bookkeeping and the reward hooks count as library + agent overhead. Before timing,
+``check_prompts`` asserts that this rendering gives every request of our engine's search of
+5 tasks the same messages and prompt ids (completion ids = the text's encoding, as an LM's).
 
 What differs, and whom it favours:
 
-* omrl's overhead includes work that llm-reasoners leaves to the user's hooks, which here do
-  no such work (favours llm-reasoners): building each request's chat messages and prompt token
-  ids, parsing the ``Think:/Act:`` completion, budget and token accounting, per-state dedup.
+* The plain llm-reasoners rows subtract every hook, so they lack work that omrl's overhead
+  includes (favours them): each request's chat messages and prompt token ids, parsing the
+  ``Think:/Act:`` completion, budget and token accounting, per-state dedup. The agent-hooks
+  row adds the prompt and parsing work; it still does no budget accounting or dedup (favours
+  it), and re-renders and re-encodes the whole prompt (~1 kB here) per expansion, as the
+  library keeps nothing per node for it, where omrl caches messages per node and encodes only
+  each new observation turn (against it). Its trees differ a little from the plain rows'
+  (the zero-cost policy's RNG also draws token ids between moves); figures are per node.
 * omrl searches all tasks in lockstep, 4 leaves per round with virtual loss, and batches the LM
   requests of every tree; llm-reasoners searches one task at a time, one leaf per iteration,
   and has no batching machinery to pay for (favours llm-reasoners).
@@ -63,12 +79,17 @@ import random
 import sys
 import types
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import engine_overhead as eo  # noqa: E402  (puts the repo root on sys.path)
 import omrl_search as om  # noqa: E402
 from envs.game24 import Game24Env  # noqa: E402
+from omrl_search.agent import ReActFormat  # noqa: E402
+from omrl_search.engine import Engine  # noqa: E402
+from omrl_search.policy import ByteChatTokenizer  # noqa: E402
+from omrl_search.types import GenRequest, SamplingParams, Snapshot  # noqa: E402
 
 INSTALL = "pip install llm-reasoners==1.0.2 --no-deps && pip install numpy tqdm"
 CLOCK = eo.CLOCK
@@ -137,6 +158,108 @@ def make_hooks():
     return Game24World, RandomMoves
 
 
+class AgentState(NamedTuple):
+    """An agent's state on llm-reasoners: the env snapshot and the path's text (the first
+    observation, then each turn's completion and the observation it got)."""
+
+    snapshot: Snapshot
+    first: str
+    turns: tuple[tuple[str, str], ...]
+
+
+def agent_prompt(fmt: ReActFormat, tok: ByteChatTokenizer, env, task, first: str, turns):
+    """The chat for a path and its prompt ids, rendered whole (the text an LM would receive)."""
+    messages = fmt.first_messages(env, task, first)
+    for completion, observation in turns:
+        messages += ({"role": "assistant", "content": completion},
+                     fmt.observation_message(observation))
+    return messages, tok.encode(tok.render(messages, add_generation_prompt=True))
+
+
+def make_agent_hooks(policy: eo.ZeroCostPolicy):
+    """``WorldModel`` and ``SearchConfig`` classes of a ReAct agent on llm-reasoners: per
+    expansion, render the path's chat and prompt ids, ask ``policy`` (whose clock times only
+    its draw) for k completions, and parse each one; the world model steps the parsed action."""
+    from reasoners import SearchConfig, WorldModel
+
+    class AgentWorld(WorldModel):
+        def __init__(self, task):
+            super().__init__()
+            self.task, self.env = task, Game24Env()
+
+        def init_state(self):
+            first = self.env.reset(self.task)
+            return AgentState(self.env.snapshot(), first, ())
+
+        def step(self, state, action):
+            completion, parsed = action
+            if parsed.error:  # a malformed completion: the error is the observation
+                return state._replace(turns=state.turns + ((completion, parsed.error),)), {}
+            env = self.env
+            env.restore(state.snapshot)
+            res = env.step(parsed.action)
+            turns = state.turns + ((completion, res.observation),)
+            return (AgentState(env.snapshot(), state.first, turns),
+                    {"success": bool(res.info.get("success", False))})
+
+        def is_terminal(self, state):
+            return state.snapshot.payload.done
+
+    class AgentHooks(SearchConfig):
+        def __init__(self, task, k: int, seed: int):
+            super().__init__()
+            self.task, self.k, self.seed, self.calls = task, k, seed, 0
+            self.env, self.format = Game24Env(), ReActFormat()  # the env for its action syntax
+
+        def get_actions(self, state):
+            self.calls += 1
+            fmt, env = self.format, self.env
+            messages, ids = agent_prompt(fmt, policy.tokenizer, env, self.task, state.first,
+                                         state.turns)
+            seed = self.seed * 1_000_003 + self.calls
+            params = SamplingParams(1.0, 1.0, 96, fmt.stop, self.k, seed)
+            request = GenRequest(messages, params, ids, {"snapshot": state.snapshot})
+            gens = policy.generate([request])[0]
+            return [(g.text, fmt.parse(g.text, env.action_help)) for g in gens]
+
+        def reward(self, state, action, success=False, **_):
+            return (1.0 if success else 0.0), {}
+
+    return AgentWorld, AgentHooks
+
+
+def check_prompts(tasks) -> int:
+    """Assert that ``agent_prompt`` gives every request of our engine's MCTS (same workload)
+    the same messages and prompt ids as the engine; returns how many requests were checked.
+    The policy here returns each completion's encoding as its ids, as an LM's would be (the
+    zero-cost policy's ids are random bytes, which no re-rendering could reproduce)."""
+    seen = []
+
+    class Recording(eo.ZeroCostPolicy):
+        def generate(self, requests):
+            seen.extend(requests)
+            out = super().generate(requests)
+            for gens in out:
+                for g in gens:
+                    g.token_ids = self.tokenizer.encode(g.text)
+            return out
+
+    spec = eo.workloads(20)["mcts"]
+    results = Engine(Recording(), seed=0, env_factory=lambda _: Game24Env()).run(
+        om.make_strategy(spec), tasks)
+    fmt, tok, checked = ReActFormat(), ByteChatTokenizer(), 0
+    for r in results:
+        at = {id(n.snapshot): n for n in reversed(r.tree.nodes)}  # the first node per snapshot
+        for req in (q for q in seen if q.meta["task"] is r.task):
+            path = r.tree.path(at[id(req.meta["snapshot"])])
+            turns = tuple((n.step.completion, n.step.observation) for n in path[1:])
+            messages, ids = agent_prompt(fmt, tok, Game24Env(), r.task, path[0].observation, turns)
+            if messages != req.messages or ids != req.prompt_ids:
+                raise AssertionError(f"{r.task.task_id}: agent prompt differs from the engine's")
+            checked += 1
+    return checked
+
+
 def walk(root):
     """Every node of an llm-reasoners tree (placeholders included)."""
     stack = [root]
@@ -147,27 +270,46 @@ def walk(root):
             stack.extend(node.children)
 
 
-def replay_seconds(world_cls, config_cls, k: int, trees) -> tuple[float, float]:
-    """CPU seconds of the env calls and of the hook calls the searches made, replayed from the
-    final trees on fresh objects (the call lists are gathered before the clock starts)."""
-    calls = []
+def stepped(trees, agent: bool):
+    """Per tree, the env calls the search made: ``(parent snapshot, action, child snapshot)``
+    for every node that reached the env (an agent state's snapshot and its parsed action
+    unwrapped; a malformed completion never reaches the env)."""
+    out = []
     for task, root in trees:
-        nodes = list(walk(root))
-        steps = [(n.parent.state, n.action, n.state) for n in nodes
+        steps = [(n.parent.state, n.action, n.state) for n in walk(root)
                  if n.parent is not None and n.state is not None]
-        asked = [n for n in nodes if n.children is not None]
-        calls.append((task, steps, [n.state for n in asked],
-                      [(n.state, c.action) for n in asked for c in n.children]))
+        if agent:
+            steps = [(p.snapshot, a.action, c.snapshot) for p, (_, a), c in steps if not a.error]
+        out.append((task, steps))
+    return out
+
+
+def env_replay_seconds(trees, agent: bool) -> float:
+    """CPU seconds of the searches' env calls (``init_state``, then ``step`` and
+    ``is_terminal`` per stepped node), replayed on fresh plain world models."""
+    world_cls, _ = make_hooks()
+    calls = stepped(trees, agent)  # gathered before the clock starts
     t0 = CLOCK()
-    for task, steps, _, _ in calls:
+    for task, steps in calls:
         world = world_cls(task)
         world.init_state()
         step, terminal = world.step, world.is_terminal
         for parent, action, state in steps:
             step(parent, action)
             terminal(state)
-    env_s, t0 = CLOCK() - t0, CLOCK()
-    for i, (task, steps, asked, proposed) in enumerate(calls):
+    return CLOCK() - t0
+
+
+def hook_replay_seconds(config_cls, k: int, trees) -> float:
+    """CPU seconds of the zero-cost hooks the searches called (``get_actions``,
+    ``fast_reward``, ``reward``), replayed from the final trees on fresh configs."""
+    calls = []
+    for (task, root), (_, steps) in zip(trees, stepped(trees, agent=False)):
+        asked = [n for n in walk(root) if n.children is not None]
+        calls.append((steps, [n.state for n in asked],
+                      [(n.state, c.action) for n in asked for c in n.children]))
+    t0 = CLOCK()
+    for i, (steps, asked, proposed) in enumerate(calls):
         config = config_cls(k, i)
         actions, fast, reward = config.get_actions, config.fast_reward, config.reward
         for state in asked:
@@ -176,23 +318,31 @@ def replay_seconds(world_cls, config_cls, k: int, trees) -> tuple[float, float]:
             fast(state, action)
         for parent, action, state in steps:
             reward(parent, action, success=state.payload.success)
-    return env_s, CLOCK() - t0
+    return CLOCK() - t0
 
 
-def measure_reasoners(mcts, tasks, simulations: int, k: int, calc_q) -> dict:
-    world_cls, config_cls = make_hooks()
+def measure_reasoners(mcts, tasks, simulations: int, k: int, calc_q, agent: bool = False) -> dict:
+    """llm-reasoners' MCTS over every task, one at a time. Plain: every hook is subtracted.
+    ``agent``: only the env calls and the policy's own clock are (prompt building, parsing
+    and the agent's state bookkeeping stay in, as on our side)."""
+    policy = eo.ZeroCostPolicy()
+    if agent:
+        world_cls, config_cls = make_agent_hooks(policy)
+        configs = [config_cls(task, k, i) for i, task in enumerate(tasks)]
+    else:
+        world_cls, config_cls = make_hooks()
+        configs = [config_cls(k, i) for i in range(len(tasks))]
     algo = mcts.MCTS(n_iters=simulations, depth_limit=Game24Env.max_steps, w_exp=1.0,
                      calc_q=calc_q, disable_tqdm=True)
     t0 = CLOCK()
-    trees = [(task, algo(world_cls(task), config_cls(k, i)).tree_state)
-             for i, task in enumerate(tasks)]
+    trees = [(task, algo(world_cls(task), config).tree_state) for task, config in zip(tasks, configs)]
     cpu = CLOCK() - t0
-    env_s, policy_s = replay_seconds(world_cls, config_cls, k, trees)
+    env_s = env_replay_seconds(trees, agent)
+    policy_s = policy.seconds if agent else hook_replay_seconds(config_cls, k, trees)
     all_nodes = [n for _, root in trees for n in walk(root)]
     nodes = sum(1 for n in all_nodes if n.parent is not None and n.state is not None)
     sims = sum(len(root.cum_rewards) for _, root in trees)
-    solved = sum(any(n.state is not None and n.state.payload.success for n in walk(root))
-                 for _, root in trees)
+    solved = sum(any(n.state is not None and n.reward > 0 for n in walk(root)) for _, root in trees)
     return row(cpu, env_s, policy_s, nodes, sims, len(all_nodes) - len(trees), solved)
 
 
@@ -230,12 +380,18 @@ def main() -> None:
     args = ap.parse_args()
     tasks = om.load_tasks("game24", "test", limit=args.tasks)
     mcts, note = import_reasoners_mcts()
+    checked = None
     sides = {"omrl-search": lambda: measure_omrl(tasks, args.simulations)}
     if mcts is not None:
         import numpy as np
         sides["llm-reasoners"] = lambda: measure_reasoners(mcts, tasks, args.simulations, 3, np.mean)
         sides["llm-reasoners py-mean"] = lambda: measure_reasoners(
             mcts, tasks, args.simulations, 3, python_mean)
+        sides["llm-reasoners + agent hooks"] = lambda: measure_reasoners(
+            mcts, tasks, args.simulations, 3, np.mean, agent=True)
+        sides["llm-reasoners + agent, py-mean"] = lambda: measure_reasoners(
+            mcts, tasks, args.simulations, 3, python_mean, agent=True)
+        checked = check_prompts(tasks[:5])
     runs: dict[str, list[dict]] = {name: [] for name in sides}
     for _ in range(max(args.repeat, 1)):  # alternate the sides so they share the machine's state
         for name, fn in sides.items():
@@ -251,9 +407,12 @@ def main() -> None:
           f"fastest of {args.repeat} alternating runs (CPU time); "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.1f}, Python {platform.python_version()}")
-    print(f"{'':22}" + "".join(f"{c:>{len(c) + 2}}" for c in cols))
+    if mcts is not None:
+        print(f"agent hooks: prompts identical to the engine's for {checked} requests of "
+              f"{min(len(tasks), 5)} tasks (messages and token ids)")
+    print(f"{'':32}" + "".join(f"{c:>{len(c) + 2}}" for c in cols))
     for name, r in rows.items():
-        print(f"{name:22}" + "".join(f"{r[c]:>{len(c) + 2}}" for c in cols))
+        print(f"{name:32}" + "".join(f"{r[c]:>{len(c) + 2}}" for c in cols))
     version = None
     if mcts is None:
         print(f"llm-reasoners side skipped ({note}): {INSTALL}")
@@ -262,7 +421,8 @@ def main() -> None:
     print(json.dumps({"benchmark": "engine_overhead_reference", "python": platform.python_version(),
                       "cpus": os.cpu_count(), "tasks": args.tasks, "simulations": args.simulations,
                       "repeat": args.repeat, "load_average": os.getloadavg()[0],
-                      "llm_reasoners": version, "reasoners_import": note, **rows}))
+                      "llm_reasoners": version, "reasoners_import": note,
+                      "agent_prompts_checked": checked, **rows}))
 
 
 if __name__ == "__main__":
