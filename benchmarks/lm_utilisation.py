@@ -25,8 +25,8 @@ the vLLM venv; a backend that cannot be built is reported and skipped):
     order up to ``max_batch`` sequences, a tree resumes as soon as its own requests are
     answered, and the backend prefills a prefix shared by a group of prompts once (the engine
     for backends that do not stream: ``hf``, ``llamacpp``);
-  - ``streaming``: the engine for backends with continuous batching of their own (``vllm``,
-    ``openai``; ``Policy.streams``): each request is submitted the moment its tree makes it and
+  - ``streaming``: for backends with continuous batching of their own (``vllm`` with
+    ``stream=true``, ``openai``; ``Policy.streams``): each request is submitted the moment its tree makes it and
     joins the sequences already decoding; answers are collected as they finish. (Skipped for
     backends that do not stream.)
 
@@ -176,7 +176,9 @@ def run_search(metered: Metered, strategy: str, tasks: list, args, mode: str) ->
     if hasattr(inner, "group_prefixes"):
         inner.group_prefixes = groups
     metered.reset()
-    metered.streams = mode == "streaming"
+    metered.streams = mode == "streaming"  # the engine streams through the meter
+    streamed = getattr(inner, "streams", False)
+    inner.streams = metered.streams  # (vllm: off by default, ``stream=true``)
     clear_cache(inner)
     engine = Engine(metered, sampling=SamplingParams(1.0, 1.0, args.max_tokens), seed=0, **options)
     t0, c0 = time.perf_counter(), time.process_time()
@@ -184,6 +186,7 @@ def run_search(metered: Metered, strategy: str, tasks: list, args, mode: str) ->
         results = engine.run(om.make_strategy(strategy), tasks, om.Budget.parse(args.budget),
                              concurrency=concurrency)
     finally:
+        inner.streams = streamed
         metered.max_batch = inner.max_batch = saved
         if hasattr(inner, "group_prefixes"):
             inner.group_prefixes = True
@@ -227,7 +230,7 @@ def bench_backend(spec: str, args) -> dict:
         for name in args.strategies:
             trees = {}
             for mode in args.modes:
-                if mode == "streaming" and not getattr(policy, "streams", False):
+                if mode == "streaming" and type(policy).submit is om.Policy.submit:
                     continue  # the backend has no continuous batching of its own
                 subset = tasks[:args.serial_tasks] if mode == "serial" else tasks
                 row, trees[mode] = run_search(metered, args.specs[name], subset, args, mode)

@@ -208,13 +208,18 @@ def test_streamed_requests_equal_generate_and_join_a_running_batch(policy) -> No
 
 @needs_vllm
 def test_streaming_and_generate_searches_agree(policy) -> None:
-    """The engine streams to vLLM by default; a seeded search gives the trees the lockstep
-    (generate) schedule gives, up to batch-dependent float noise in the logits (float32 here)."""
+    """With ``stream=true`` the engine streams to vLLM; a seeded search gives the trees the
+    lockstep (generate) schedule gives, up to batch-dependent float noise (float32 here)."""
     tasks = api.load_tasks("game24", "test", limit=3)
     sampling = SamplingParams(temperature=1.0, max_tokens=16)
-    runs = {sched: api.search_many(tasks, strategy="best_of_n:n=3", policy=policy, seed=0,
-                                   max_depth=2, sampling=sampling, schedule=sched)
-            for sched in ("continuous", "lockstep")}
+    assert not policy.streams  # off by default (see the module docstring)
+    policy.streams = True
+    try:
+        runs = {sched: api.search_many(tasks, strategy="best_of_n:n=3", policy=policy, seed=0,
+                                       max_depth=2, sampling=sampling, schedule=sched)
+                for sched in ("continuous", "lockstep")}
+    finally:
+        policy.streams = False
     texts = {k: [[s.completion for t in r.trajectories for s in t.steps] for r in v]
              for k, v in runs.items()}
     assert texts["continuous"] == texts["lockstep"]

