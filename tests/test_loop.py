@@ -96,3 +96,23 @@ def test_bad_settings_fail_before_anything_runs(flag, value, needle, tiny_agent_
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0]
     assert not out.exists()
+
+
+def test_grpo_is_skipped_when_every_group_is_flat(tmp_path):
+    """GRPO on groups whose rewards are all equal has zero advantages everywhere: the loop records
+    a skip instead of spending a training stage on it; one group with a spread is trained."""
+    import pandas as pd
+
+    from train.loop import LoopConfig, _all_groups_flat, policy_stage
+
+    data = tmp_path / "round_2" / "data"
+    data.mkdir(parents=True)
+    flat = pd.DataFrame({"group_id": ["a", "a", "b", "b"], "reward": [0.0, 0.0, 1.0, 1.0]})
+    flat.to_parquet(data / "grpo.parquet")
+    cfg = LoopConfig(out=str(tmp_path), then=["grpo"])
+    info = policy_stage(cfg, 2, "some/model")(tmp_path / "policy.partial")
+    assert info == {"model": "some/model", "trained": [
+        {"trainer": "grpo", "skipped": "every group's rewards are equal (no signal)"}]}
+    pd.DataFrame({"group_id": ["a", "a", "b", "b"], "reward": [0.0, 0.0, 0.0, 1.0]}).to_parquet(
+        data / "grpo.parquet")
+    assert not _all_groups_flat(data / "grpo.parquet")

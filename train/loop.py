@@ -243,6 +243,9 @@ def policy_stage(cfg: LoopConfig, r: int, model: str) -> Callable[[Path], dict]:
             if not path.exists():
                 trained.append({"trainer": kind, "skipped": "no rows exported"})
                 continue
+            if kind == "grpo" and _all_groups_flat(path):
+                trained.append({"trainer": kind, "skipped": "every group's rewards are equal (no signal)"})
+                continue
             out = d / kind
             mod = importlib.import_module(f"train.{kind}")
             settings = {**cfg.trainer_settings.get(kind, {}), "model": current, "data": [str(path)],
@@ -257,6 +260,15 @@ def policy_stage(cfg: LoopConfig, r: int, model: str) -> Callable[[Path], dict]:
                             **{k: last.get(k) for k in ("step", "loss") if k in last}})
         return {"model": current, "trained": trained}
     return run
+
+
+def _all_groups_flat(path: Path) -> bool:
+    """Whether no GRPO group has two different rewards: group-relative advantages are then all
+    zero and a GRPO stage would only spend time."""
+    import pandas as pd
+
+    rows = pd.read_parquet(path, columns=["group_id", "reward"])
+    return bool((rows.groupby("group_id")["reward"].nunique() <= 1).all())
 
 
 def _last_metrics(out: Path) -> dict[str, Any]:
