@@ -67,7 +67,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import omrl_search as om  # noqa: E402
 from backend_throughput import requests as peak_requests  # noqa: E402
 from omrl_search.engine import Engine  # noqa: E402
-from omrl_search.types import GenRequest, SamplingParams  # noqa: E402
+from omrl_search.types import SamplingParams  # noqa: E402
 
 STRATEGIES = {"mcts": "mcts:leaves=4,k=3,value=logprob", "tot": "tot:b=3,k=3,n_evaluate=1"}
 MODES = {  # engine options, concurrency, the policy's max_batch (None: its own), group prefixes
@@ -86,7 +86,6 @@ class Metered(om.Policy):
         self.inner, self.name, self.tokenizer = inner, inner.name, inner.tokenizer
         self.max_batch, self.answers_prompts = inner.max_batch, inner.answers_prompts
         self.streams = False  # set per mode: ``streaming`` only
-        self._tickets: dict[int, GenRequest] = {}
         self.reset()
 
     def reset(self) -> None:
@@ -131,7 +130,6 @@ class Metered(om.Policy):
 
 
     def submit(self, tickets):
-        self._tickets.update(tickets)
         self.calls += 1  # a submission; ``seqs_per_call`` is then sequences per submission
         self.seqs += sum(r.params.n for _, r in tickets)
         self.inner.submit(tickets)
@@ -140,8 +138,7 @@ class Metered(om.Policy):
         t0 = time.perf_counter()
         done = self.inner.collect()
         self.seconds += time.perf_counter() - t0
-        for ticket, gens in done:
-            self._tickets.pop(ticket, None)
+        for _, gens in done:
             if isinstance(gens, list):
                 self.generated += sum(g.completion_tokens for g in gens)
                 self.prompt += gens[0].prompt_tokens if gens else 0

@@ -42,6 +42,12 @@ class LMWait:
         self.gens: list[Any] = [None] * len(requests)
         self.left = len(requests)
 
+    def answer(self, slot: int, gens: Any) -> bool:
+        """Record request ``slot``'s generations (or its exception); True once all are in."""
+        self.gens[slot] = gens
+        self.left -= 1
+        return not self.left
+
 
 class WaitingRequests:
     """The waiting requests of all trees, oldest first, as ``(LMWait, request index)``."""

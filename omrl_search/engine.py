@@ -174,9 +174,7 @@ class Engine:
                 lm = sorted(lm, key=lambda item: prompt_key(item[0].requests[item[1]]))
             gens = self._generate([wait.requests[slot] for wait, slot in lm])
             for (wait, slot), g in zip(lm, gens):
-                wait.gens[slot] = g
-                wait.left -= 1
-                if not wait.left:
+                if wait.answer(slot, g):
                     answers[wait.i] = self._answer(wait)
         if evals:
             answers.update(self._evaluate_all(evals))
@@ -212,9 +210,7 @@ class Engine:
                 raise RuntimeError("engine: a streaming policy's collect() returned nothing")
         for ticket, gens in done:
             wait, slot = inflight.pop(ticket)
-            wait.gens[slot] = gens
-            wait.left -= 1
-            if not wait.left:
+            if wait.answer(slot, gens):
                 answers[wait.i] = self._answer(wait)
         return answers
 

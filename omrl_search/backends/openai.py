@@ -103,9 +103,8 @@ class OpenAIPolicy(Policy):
         self.send_ids = bool(send_ids)
         self._server_n: int | None = None  # most choices one call returned, once seen short
         self._memo: dict[int, tuple[GenRequest, Any]] = {}  # a failed batch's answers, see generate
-        self._pool = None
+        self._pools: dict[str, Any] = {}  # thread pools by use, see _threads
         self.streams = bool(stream)
-        self._streams = None  # the request threads of submit()
         self._futures: dict[Any, int] = {}  # submitted request -> ticket
         headers = {"Content-Type": "application/json"}
         key = os.environ.get(api_key_env or "")
@@ -216,12 +215,9 @@ class OpenAIPolicy(Policy):
 
     # --- streaming ------------------------------------------------------------------------
     def submit(self, tickets: list[tuple[int, GenRequest]]) -> None:
-        if self._streams is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._streams = ThreadPoolExecutor(self.max_in_flight, thread_name_prefix="omrl-openai-req")
+        pool = self._threads("requests")  # not the HTTP calls' pool: a request may make several
         for ticket, req in tickets:
-            self._futures[self._streams.submit(self._generate_all, [req])] = ticket
+            self._futures[pool.submit(self._generate_all, [req])] = ticket
 
     def collect(self) -> list[tuple[int, Any]]:
         """The requests answered so far (waiting for the first if none is)."""
@@ -249,11 +245,15 @@ class OpenAIPolicy(Policy):
 
         if len(items) <= 1:
             return [safe(x) for x in items]
-        if self._pool is None:
+        return list(self._threads("calls").map(safe, items))
+
+    def _threads(self, name: str) -> Any:
+        """A pool of ``max_in_flight`` threads, made on first use."""
+        if name not in self._pools:
             from concurrent.futures import ThreadPoolExecutor
 
-            self._pool = ThreadPoolExecutor(self.max_in_flight, thread_name_prefix="omrl-openai")
-        return list(self._pool.map(safe, items))
+            self._pools[name] = ThreadPoolExecutor(self.max_in_flight, thread_name_prefix=f"omrl-openai-{name}")
+        return self._pools[name]
 
     def _call(self, req: GenRequest, offset: int, count: int) -> list[Generation]:
         """One HTTP call for ``count`` choices of ``req`` (the ``offset``-th sample onwards)."""
@@ -344,12 +344,9 @@ class OpenAIPolicy(Policy):
                           f"({path}) and keep the same spec")
 
     def close(self) -> None:
-        if self._streams is not None:
-            self._streams.shutdown(wait=False, cancel_futures=True)
-            self._streams = None
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        for pool in self._pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
+        self._pools = {}
         self._client.close()
 
 
