@@ -105,7 +105,7 @@ class ActionEnv(Env):
         s = self._require()
         if s.done:
             info = {"valid": False, "success": s.success, "answer": s.answer}
-            return StepResult("Invalid action: the episode is over.", 0.0, True, info)
+            return StepResult("Invalid action: the episode is over.", 0.0, True, info=info)
         try:
             verb, arg = parse_action(action, self.verbs)
             out = getattr(self, f"do_{verb}")(arg)
@@ -122,7 +122,7 @@ class ActionEnv(Env):
         info: dict[str, Any] = {"valid": out.valid}
         if done:
             info.update(success=success, answer=answer)
-        return StepResult(self.observe(), 1.0 if success else 0.0, done, info)
+        return StepResult(self.observe(), 1.0 if success else 0.0, done, info=info)
 
     def observe(self) -> str:
         s = self._require()

@@ -279,7 +279,7 @@ class ArithmeticEnv(ValueSnapshots, Env):
         s = self._require()
         if s.done:
             info = {"valid": False, "success": s.success, "answer": s.answer}
-            return StepResult("Invalid action: the episode is over.", 0.0, True, info)
+            return StepResult("Invalid action: the episode is over.", 0.0, True, info=info)
         text = action.strip().strip("`'\"").strip().rstrip(".!").strip()
         m = _ANSWER_RE.match(text)
         if m:
@@ -350,7 +350,7 @@ class ArithmeticEnv(ValueSnapshots, Env):
         info: dict[str, Any] = {"valid": valid}
         if done:
             info.update(success=success, answer=answer or "")
-        return StepResult(self.observe(), 1.0 if success else 0.0, done, info)
+        return StepResult(self.observe(), 1.0 if success else 0.0, done, info=info)
 
     def _invalid(self, why: str) -> StepResult:
         return self._advance(note=f"Invalid action: {why}. {self.action_help}", valid=False)

@@ -94,7 +94,7 @@ class BabyAIEnv(NativeSnapshots, Env):
         turn = self._require()
         if turn.done:
             return StepResult("Invalid action: the episode is over.", 0.0, True,
-                              {"valid": False, "success": turn.success, "answer": turn.answer})
+                              info={"valid": False, "success": turn.success, "answer": turn.answer})
         act = text.parse(action)
         plan = turn.view.plans.get(act) or ((text.PRIMITIVES[act],) if act in text.PRIMITIVES else None)
         if plan is None:
@@ -112,7 +112,7 @@ class BabyAIEnv(NativeSnapshots, Env):
         info: dict[str, Any] = {"valid": plan is not None}
         if turn.done:
             info.update(success=turn.success, answer=turn.answer)
-        return StepResult(turn.observation, 1.0 if turn.success else 0.0, turn.done, info)
+        return StepResult(turn.observation, 1.0 if turn.success else 0.0, turn.done, info=info)
 
     def valid_actions(self) -> list[str]:
         turn = self._require()

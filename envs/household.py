@@ -95,7 +95,7 @@ class HouseholdEnv(NativeSnapshots, Env):
         turn = self._require()
         if turn.done:
             return StepResult("Invalid action: the episode is over.", 0.0, True,
-                              {"valid": False, "success": turn.won, "answer": turn.answer})
+                              info={"valid": False, "success": turn.won, "answer": turn.answer})
         command = _normalize(action)
         valid = command in turn.admissible
         if valid:
@@ -114,7 +114,7 @@ class HouseholdEnv(NativeSnapshots, Env):
         info: dict[str, Any] = {"valid": valid, "score": turn.score, "max_score": turn.max_score}
         if turn.done:
             info.update(success=turn.won, answer=turn.answer)
-        return StepResult(turn.observation, 1.0 if turn.won else 0.0, turn.done, info)
+        return StepResult(turn.observation, 1.0 if turn.won else 0.0, turn.done, info=info)
 
     def valid_actions(self) -> list[str]:
         turn = self._require()

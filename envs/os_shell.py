@@ -85,7 +85,7 @@ class OsEnv(NativeSnapshots, Env):
         s = self._require()
         if s.done:
             return StepResult("Invalid action: the episode is over.", 0.0, True,
-                              {"valid": False, "success": s.success, "answer": s.answer})
+                              info={"valid": False, "success": s.success, "answer": s.answer})
         kind, arg = parse_action(action)
         info: dict[str, Any] = {"valid": kind != "invalid"}
         tree, digest, last, done, success, answer = s.tree, s.digest, s.last, False, False, ""
@@ -107,7 +107,7 @@ class OsEnv(NativeSnapshots, Env):
         if done:
             info.update(success=success, answer=answer)
         self.state = OsState(s.task, tree, digest, steps, done, success, answer, last, obs)
-        return StepResult(obs, 1.0 if success else 0.0, done, info)
+        return StepResult(obs, 1.0 if success else 0.0, done, info=info)
 
     def _render(self, command: str, result, undone: bool) -> str:
         shown = command if len(command) <= 300 else command[:300] + " ..."

@@ -181,7 +181,7 @@ class RemoteEnv(Env):
                 info["success"] = self._score >= self.success_score
             self._key, self._ref = stable_hash((self._task.task_id, obs)), None
         self._obs, self._actions = obs, self._actions + (action,)
-        return StepResult(obs, reward, done, info)
+        return StepResult(obs, reward, done, info=info)
 
     def observe(self) -> str:
         return self._obs

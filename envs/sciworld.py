@@ -149,7 +149,7 @@ class SciWorldSim(Env):
             raise EnvError("step() before reset()")
         if self.done:
             return StepResult("Invalid action: the episode is over.", 0.0, True,
-                              {"valid": False, "success": self.success, "answer": self.answer})
+                              info={"valid": False, "success": self.success, "answer": self.answer})
         text = normalise(action)
         before, previous = self.world(), self.score
         self.steps += 1
@@ -179,7 +179,7 @@ class SciWorldSim(Env):
             self.answer = text
             info.update(success=self.success, answer=self.answer)
         reward = 1.0 if self.success else (self.score - previous) / 100
-        return StepResult(self.obs, reward, self.done, info)
+        return StepResult(self.obs, reward, self.done, info=info)
 
     def observe(self) -> str:
         if self.task is None:

@@ -281,7 +281,7 @@ class SokobanEnv(ValueSnapshots, Env):
         s = self._require()
         if s.done:
             return StepResult("Invalid action: the episode is over.", 0.0, True,
-                              {"valid": False, "success": s.success, "answer": _answer(s.success)})
+                              info={"valid": False, "success": s.success, "answer": _answer(s.success)})
         text = " ".join(action.lower().strip().strip("`'\"").rstrip(".!").split())
         m = _ACTION_RE.match(text)
         if m:
@@ -303,7 +303,7 @@ class SokobanEnv(ValueSnapshots, Env):
         info: dict[str, Any] = {"valid": m is not None}
         if done:
             info.update(success=success, answer=_answer(success))
-        return StepResult(self.observe(), 1.0 if success else 0.0, done, info)
+        return StepResult(self.observe(), 1.0 if success else 0.0, done, info=info)
 
     def valid_actions(self) -> list[str]:
         """The moves that change the state (blocked moves are legal but useless)."""

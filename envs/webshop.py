@@ -226,7 +226,7 @@ class WebShopEnv(ValueSnapshots, Env):
         s = self._require()
         if s.done:
             return StepResult("Invalid action: the episode is over.", 0.0, True,
-                              {"valid": False, "success": s.success, "answer": s.answer})
+                              info={"valid": False, "success": s.success, "answer": s.answer})
         text = " ".join(action.strip().strip("`'\"").strip().rstrip(".!").split())
         m = _ACTION_RE.match(text)
         if not m:
@@ -285,7 +285,7 @@ class WebShopEnv(ValueSnapshots, Env):
         info: dict[str, Any] = {"valid": valid}
         if self.state.done:
             info.update(success=self.state.success, answer=self.state.answer)
-        return StepResult(self.observe(), self.state.reward, self.state.done, info)
+        return StepResult(self.observe(), self.state.reward, self.state.done, info=info)
 
     def valid_actions(self) -> list[str]:
         """The clickable things of the page; on the search page, two searches from the instruction."""

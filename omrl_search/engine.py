@@ -469,12 +469,12 @@ class Engine:
             return child
         step.observation, step.reward, step.done, step.info = (
             res.observation, res.reward, res.done, res.info)
-        step.valid = bool(res.info.get("valid", True))
+        step.valid, step.success = res.valid, res.success
         child = tree.add_child(node, step, snap, snap.state_key)
         ctx.env_at = child.id
         if res.done:
             child.terminal, child.status = True, TERMINAL
-            child.success = bool(res.info.get("success", False))
+            child.success = res.success
             return child
         return self._mark_depth(ctx, child)
 

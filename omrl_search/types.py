@@ -22,14 +22,47 @@ class Task:
     data: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(slots=True)
+#: completion tokens per step when nobody says otherwise (CLI, API, configs and backends read this)
+DEFAULT_MAX_TOKENS = 96
+
+
+@dataclass(slots=True, init=False)
 class StepResult:
-    """What ``Env.step`` returns (Gymnasium's tuple, text in and out)."""
+    """What ``Env.step`` returns: Gymnasium's ``(observation, reward, terminated, truncated,
+    info)``, text in and out, with the two facts every caller needs as typed fields.
+
+    ``terminated``: the task reached an end state (solved or lost); ``truncated``: the episode
+    was cut (a step limit) without reaching one. ``done`` is a read-only alias for "either".
+    ``success`` says the task was solved (meaningful when terminated); ``valid`` is False when
+    the action was malformed or not admissible. ``info`` carries the rest (``answer``,
+    ``score``, env-specific detail). Envs written before these fields existed may still put
+    ``success``/``valid`` in ``info`` and pass ``done=``; both are read as a fallback.
+    """
 
     observation: str
-    reward: float = 0.0
-    done: bool = False
-    info: dict[str, Any] = field(default_factory=dict)
+    reward: float
+    terminated: bool
+    truncated: bool
+    info: dict[str, Any]
+    success: bool
+    valid: bool
+
+    def __init__(self, observation: str, reward: float = 0.0, terminated: bool = False,
+                 truncated: bool = False, info: dict[str, Any] | None = None, *,
+                 success: bool | None = None, valid: bool | None = None,
+                 done: bool | None = None):
+        info = {} if info is None else info
+        self.observation, self.reward = observation, reward
+        self.terminated = bool(terminated or done)
+        self.truncated = bool(truncated)
+        self.info = info
+        self.success = bool(info.get("success", False)) if success is None else bool(success)
+        self.valid = bool(info.get("valid", True)) if valid is None else bool(valid)
+
+    @property
+    def done(self) -> bool:
+        """``terminated or truncated`` (kept for code written against the one-flag contract)."""
+        return self.terminated or self.truncated
 
 
 @dataclass(slots=True)
@@ -75,6 +108,7 @@ class Step:
     reward: float = 0.0
     done: bool = False
     valid: bool = True
+    success: bool = False
     context_ids: list[int] | None = None
     completion_ids: list[int] | None = None
     logprobs: list[float] | None = None
@@ -87,7 +121,7 @@ class SamplingParams:
 
     temperature: float = 1.0
     top_p: float = 1.0
-    max_tokens: int = 96
+    max_tokens: int = DEFAULT_MAX_TOKENS
     stop: tuple[str, ...] = ()
     n: int = 1
     seed: int | None = None

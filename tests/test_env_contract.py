@@ -220,7 +220,7 @@ class DriftEnv(ValueSnapshots, Env):
 
     def step(self, action: str) -> StepResult:
         self.state = self.state + 1 + BONUS
-        return StepResult(self.observe(), 0.0, False, {"valid": True})
+        return StepResult(self.observe(), 0.0, False, info={"valid": True})
 
     def observe(self) -> str:
         return f"count {self.state}"
