@@ -6,7 +6,11 @@ read-only, a private 16 MiB ``/tmp`` that vanishes with the command, and the wor
 host directory that can be written. Host paths such as ``/root`` or the project are simply not
 mounted. The command never runs as root on the host: when the host process is root it drops to
 ``nobody`` (uid 65534) before starting ``bwrap``, which matters because the kernel does not
-enforce ``RLIMIT_NPROC`` for root.
+enforce ``RLIMIT_NPROC`` for root. Nothing of the host's environment gets in: ``bwrap`` itself
+(which is PID 1 inside, its environment readable at ``/proc/1/environ``) starts with
+:data:`BWRAP_ENV` only, and the command with :data:`SANDBOX_ENV`. Nested user namespaces are
+refused (``--disable-userns``; with a bwrap older than 0.8, a seccomp filter that fails
+``unshare``/``clone`` asking for one), so ``unshare -r`` cannot give a root shell inside.
 
 Limits (:class:`Limits`): wall time (the whole PID namespace is killed), and, set with
 ``ulimit`` inside the sandbox before the command runs, CPU seconds, address space, processes
@@ -17,20 +21,28 @@ entries or ``max_bytes`` bytes the command's changes are undone.
 
 A work dir's state is a :data:`Tree`: a sorted tuple of :class:`Entry` (path, kind, mode,
 data) — contents and permission bits, nothing else. Timestamps are stamped to one fixed time
-after every change so ``ls -l`` prints the same thing however the state was reached.
+(:data:`STAMP`) after every change, the work dir itself and its parent ``/home`` included, so
+``ls -la`` prints the same thing however and whenever the state was reached. The clock itself is
+real: ``date``, a file's times within the command that made it, ctimes and inode numbers are
+the host's. Output has its terminal control sequences removed (:func:`strip_controls`).
 """
 from __future__ import annotations
 
+import atexit
+import functools
 import hashlib
 import json
 import os
+import re
 import resource
 import selectors
 import shutil
 import signal
 import stat
+import struct
 import subprocess
 import tempfile
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -48,6 +60,16 @@ _WRAPPER = (  # runs inside the sandbox: report "started", set limits, run the c
     '&& ulimit -t "$4" && ulimit -f "$5" || exit 126; umask 022; exec /bin/bash -c "$1"'
 )
 _KINDS = {stat.S_IFREG: "f", stat.S_IFDIR: "d", stat.S_IFLNK: "l", stat.S_IFIFO: "p"}
+#: the whole environment of ``bwrap`` itself (PID 1 inside: its environ is readable there)
+BWRAP_ENV = {"PATH": "/usr/bin:/bin", "LC_ALL": "C"}
+#: the whole environment of the command (``--clearenv`` first)
+SANDBOX_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": HOME, "USER": "agent", "LC_ALL": "C",
+               "TZ": "UTC", "TERM": "dumb", "TMPDIR": "/tmp"}
+# Escape sequences (CSI, OSC, DCS/SOS/PM/APC strings, two-byte escapes), C0 controls but tab and
+# newline, DEL, C1 controls and the bidi overrides that reorder what a reader sees.
+_CONTROLS = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]?|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?"
+                       r"|\x1b[PX^_][^\x1b]*(?:\x1b\\)?|\x1b[ -/]*[0-~]?"
+                       "|[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
 
 class SandboxError(EnvError):
@@ -105,21 +127,103 @@ def _bytes(text: str) -> bytes:
 
 
 # --- the sandbox -----------------------------------------------------------------------------
-def _argv(workdir: str, limits: Limits) -> list[str]:
-    argv = [BWRAP, "--unshare-all", "--die-with-parent", "--new-session", "--hostname", "sandbox",
-            "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/sbin",
-            "/sbin", "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64"]
+def strip_controls(text: str) -> str:
+    """``text`` without terminal control sequences: printable text, newlines and tabs stay
+    (``\\r`` becomes a newline, so text a progress bar overwrote stays readable)."""
+    return _CONTROLS.sub("", text.replace("\r\n", "\n").replace("\r", "\n"))
+
+
+def _argv(workdir: str, limits: Limits, seccomp_fd: int | None) -> list[str]:
+    argv = [BWRAP, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
+            "--hostname", "sandbox", "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin",
+            "--symlink", "usr/sbin", "/sbin", "--symlink", "usr/lib", "/lib", "--symlink",
+            "usr/lib64", "/lib64"]
     for name in _ETC:
         if os.path.exists(f"/etc/{name}"):
             argv += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]
     argv += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
              "--size", str(limits.tmp_mb << 20), "--tmpfs", "/tmp",
-             "--bind", workdir, HOME, "--remount-ro", "/", "--chdir", HOME, "--clearenv"]
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": HOME, "USER": "agent", "LC_ALL": "C",
-           "TZ": "UTC", "TERM": "dumb", "TMPDIR": "/tmp"}
-    for key, value in env.items():
+             "--ro-bind", _home_parent(), os.path.dirname(HOME), "--bind", workdir, HOME,
+             "--remount-ro", "/", "--chdir", HOME, "--clearenv"]
+    argv += ["--disable-userns"] if seccomp_fd is None else ["--seccomp", str(seccomp_fd)]
+    for key, value in SANDBOX_ENV.items():
         argv += ["--setenv", key, value]
     return argv
+
+
+@functools.lru_cache(maxsize=1)
+def _bwrap_help() -> str:
+    try:
+        out = subprocess.run([BWRAP, "--help"], capture_output=True, text=True, env=BWRAP_ENV,
+                             timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout + out.stderr
+
+
+def userns_guard() -> str:
+    """How nested user namespaces are refused: ``"disable-userns"`` (bwrap >= 0.8) or
+    ``"seccomp"`` (older bwrap: :func:`_userns_filter`)."""
+    return "disable-userns" if "--disable-userns" in _bwrap_help() else "seccomp"
+
+
+# (AUDIT_ARCH, unshare, clone, clone3) of the machines a seccomp filter is written for
+_ARCHES = {"x86_64": (0xC000003E, 272, 56, 435), "aarch64": (0xC00000B7, 97, 220, 435)}
+
+
+def _userns_filter() -> bytes:
+    """A classic-BPF seccomp program: ``unshare``/``clone`` with ``CLONE_NEWUSER`` fail with EPERM,
+    ``clone3`` (whose flags a filter cannot read) with ENOSYS so libc falls back to ``clone``;
+    any other ABI (x32, 32-bit) fails with EPERM. Everything else is allowed."""
+    arch = _ARCHES.get(os.uname().machine)
+    if arch is None:
+        raise SandboxError(f"bwrap lacks --disable-userns and no seccomp filter is written for "
+                           f"{os.uname().machine}: install bubblewrap >= 0.8")
+    audit, unshare, clone, clone3 = arch
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
+    prog = [(ld, 0, 0, 4),                  # 0: A = arch
+            (jeq, 0, 9, audit),             # 1: another ABI -> 11
+            (ld, 0, 0, 0),                  # 2: A = syscall number
+            (jge, 7, 0, 0x40000000),        # 3: x32 -> 11
+            (jeq, 3, 0, unshare),           # 4: -> 8
+            (jeq, 2, 0, clone),             # 5: -> 8
+            (jeq, 5, 0, clone3),            # 6: -> 12
+            (ret, 0, 0, allow),             # 7
+            (ld, 0, 0, 16),                 # 8: A = low 32 bits of the flags (args[0])
+            (jset, 1, 0, 0x10000000),       # 9: CLONE_NEWUSER -> 11
+            (ret, 0, 0, allow),             # 10
+            (ret, 0, 0, eperm),             # 11
+            (ret, 0, 0, enosys)]            # 12
+    return b"".join(struct.pack("<HBBI", *ins) for ins in prog)
+
+
+_home_lock = threading.Lock()
+_home: tuple[int, str] | None = None  # (pid that made it, path)
+
+
+def _home_parent() -> str:
+    """A host dir holding an empty ``agent`` dir, both stamped, mounted read-only as ``/home``:
+    so the home's parent shows :data:`STAMP`, not the time bwrap made it. One per process."""
+    global _home
+    with _home_lock:
+        if _home is None or _home[0] != os.getpid() or not os.path.isdir(
+                os.path.join(_home[1], os.path.basename(HOME))):
+            path = tempfile.mkdtemp(prefix="omrl-home-")
+            inner = os.path.join(path, os.path.basename(HOME))
+            os.mkdir(inner)
+            os.chmod(inner, 0o755)
+            os.chmod(path, 0o755)  # bwrap may run as nobody
+            for p in (inner, path):
+                os.utime(p, (STAMP, STAMP))
+            _home = (os.getpid(), path)
+            atexit.register(_remove_home, _home)
+        return _home[1]
+
+
+def _remove_home(made: tuple[int, str]) -> None:
+    if made[0] == os.getpid():  # not from a forked child
+        shutil.rmtree(made[1], ignore_errors=True)
 
 
 def _ulimits(limits: Limits) -> list[str]:
@@ -138,18 +242,31 @@ def _ulimits(limits: Limits) -> list[str]:
 def run_command(command: str, workdir: str, limits: Limits) -> RunResult:
     """Run ``bash -c command`` in a fresh sandbox on ``workdir``; never leaves a process behind."""
     if not os.path.exists(BWRAP):
-        raise SandboxError(f"env 'os' needs bubblewrap at {BWRAP} (apt-get install bubblewrap)")
+        raise SandboxError(f"env 'os' needs bubblewrap at {BWRAP} (sudo apt-get install -y "
+                           "bubblewrap)")
+    program = _userns_filter() if userns_guard() == "seccomp" else None
     info_r, info_w = os.pipe()
     ok_r, ok_w = os.pipe()
+    passed = [info_w, ok_w]  # bwrap's ends: closed here once it has them
+    if program is not None:
+        seccomp_r, seccomp_w = os.pipe()
+        passed.append(seccomp_r)
+        os.write(seccomp_w, program)  # a few hundred bytes: fits in the pipe
+        os.close(seccomp_w)
     drop = {"user": SANDBOX_UID, "group": SANDBOX_UID, "extra_groups": []} if _as_root() else {}
-    argv = _argv(workdir, limits) + ["--info-fd", str(info_w), "/bin/bash", "-c",
-                                     _WRAPPER.format(fd=ok_w), "bash", command, *_ulimits(limits)]
+    argv = _argv(workdir, limits, passed[2] if program is not None else None)
+    argv += ["--info-fd", str(info_w), "/bin/bash", "-c", _WRAPPER.format(fd=ok_w), "bash",
+             command, *_ulimits(limits)]
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, pass_fds=(info_w, ok_w), **drop)
+                                stderr=subprocess.STDOUT, pass_fds=passed, env=BWRAP_ENV, **drop)
+    except BaseException:
+        os.close(info_r)
+        os.close(ok_r)
+        raise
     finally:
-        os.close(info_w)
-    os.close(ok_w)
+        for fd in passed:
+            os.close(fd)
     with os.fdopen(info_r, "rb") as f:  # bwrap writes the child pid, then closes the fd
         info = f.read()
     pidfd = _pidfd(info)
@@ -172,7 +289,7 @@ def run_command(command: str, workdir: str, limits: Limits) -> RunResult:
     if not started:
         why = shown.decode("utf-8", "replace").strip() or f"exit status {proc.returncode}"
         raise SandboxError(f"the sandbox did not start: {why}")
-    text = shown[:limits.output_bytes].decode("utf-8", "replace")
+    text = strip_controls(shown[:limits.output_bytes].decode("utf-8", "replace"))
     if total > limits.output_bytes:
         more = "at least " if stopped == "output" else ""
         text += f"\n[output cut: {more}{total - limits.output_bytes} more bytes not shown]"
@@ -229,7 +346,7 @@ def _as_root() -> bool:
 
 
 def scan(root: str, limits: Limits) -> Tree:
-    """The tree under ``root`` (never following symlinks), stamping changed timestamps.
+    """The tree under ``root`` (never following symlinks), stamping every atime and mtime.
 
     Raises :class:`TooBig` past ``limits.max_files`` entries or ``limits.max_bytes`` bytes.
     Entries the host user cannot read (mode 000 as non-root) are opened up just long enough.
@@ -252,8 +369,6 @@ def scan(root: str, limits: Limits) -> Tree:
             out.append(entry)
             if len(out) > limits.max_files or size > limits.max_bytes:
                 raise TooBig(f"more than {limits.max_files} entries or {limits.max_bytes} bytes")
-            if st.st_mtime_ns != stamp_ns:
-                os.utime(path, (STAMP, STAMP), follow_symlinks=False)
             if entry.kind == "d":
                 opened = not _as_root() and mode & 0o700 != 0o700
                 if opened:
@@ -263,6 +378,9 @@ def scan(root: str, limits: Limits) -> Tree:
                 finally:
                     if opened:
                         os.chmod(path, mode)
+            # listing a dir or reading a link sets its atime (files are read with O_NOATIME)
+            if kind in "dl" or st.st_mtime_ns != stamp_ns or st.st_atime_ns != stamp_ns:
+                os.utime(path, (STAMP, STAMP), follow_symlinks=False)
 
     walk("", root)
     return tuple(out)
@@ -273,7 +391,11 @@ def _read(path: str, mode: int) -> bytes:
     if opened:
         os.chmod(path, mode | 0o400)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+        try:
+            fd = os.open(path, flags | os.O_NOATIME)
+        except PermissionError:  # O_NOATIME needs the file's owner (or CAP_FOWNER)
+            fd = os.open(path, flags)
         with os.fdopen(fd, "rb") as f:
             return f.read()
     finally:
@@ -393,6 +515,7 @@ class WorkDir:
         try:
             os.chmod(root, 0o700)  # the dir itself is not state; keep it enterable
             self.tree = scan(root, self.limits)
+            os.utime(root, (STAMP, STAMP))  # and `ls -la` shows the same `.` whenever it runs
             return result, False
         except TooBig:
             self.tree = None
