@@ -1,17 +1,19 @@
-"""The policy contract (DESIGN §4): a batched LM backend.
+"""The policy contract (docs/design.md §4): a batched LM backend.
 
 ``generate(requests)`` takes a list of :class:`GenRequest` and returns, per request, its ``n``
 :class:`Generation` s, each with text, exact token ids, logprobs and usage. A backend that has a
 tokenizer exposes it as :attr:`Policy.tokenizer` (a :class:`ChatTokenizer`); the engine then
 builds prompts as token ids turn by turn, so the ids a trainer sees are the ids the policy saw.
 
-Backends register a factory under a spec name: ``make_policy("scripted:oracle:p=0.3")``.
+Backends are factories under a spec name, listed as ``omrl_search.policies`` entry points
+(docs/design.md §7): ``make_policy("scripted:oracle:p=0.3")``.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Protocol, Sequence
 
+from .plugins import Registry
 from .types import GenRequest, Generation
 
 
@@ -88,24 +90,22 @@ class ByteChatTokenizer:
         return out + ("<assistant>\n" if add_generation_prompt else "")
 
 
-# --- registry ----------------------------------------------------------------------------
-_POLICIES: dict[str, Callable[[str], Policy]] = {}
+# --- registry (see docs/design.md §7) ---------------------------------------------------------
+_POLICIES = Registry("omrl_search.policies", "a policy factory f(arg) -> Policy", callable)
 
 
 def register_policy(name: str) -> Callable[[Callable[[str], Policy]], Callable[[str], Policy]]:
-    """Register a factory that builds a policy from the text after ``name:`` in a spec."""
+    """Register a factory that builds a policy from the text after ``name:`` in a spec (code
+    and tests); installed backends are found through ``omrl_search.policies`` entry points."""
 
     def deco(factory: Callable[[str], Policy]) -> Callable[[str], Policy]:
-        _POLICIES[name] = factory
-        return factory
+        return _POLICIES.register(name, factory)
 
     return deco
 
 
 def list_policies() -> list[str]:
-    from . import backends  # noqa: F401
-
-    return sorted(_POLICIES)
+    return _POLICIES.names()
 
 
 def make_policy(spec: str | Policy) -> Policy:
@@ -113,12 +113,11 @@ def make_policy(spec: str | Policy) -> Policy:
     ``scripted:oracle:p=0.3``, ``scripted:random``; a :class:`Policy` passes through."""
     if isinstance(spec, Policy):
         return spec
-    from . import backends  # noqa: F401  (registers the bundled backends)
-
     name, _, arg = spec.partition(":")
-    if name not in _POLICIES:
-        raise PolicyError(f"unknown policy {spec!r} (known: {', '.join(sorted(_POLICIES))})")
-    return _POLICIES[name](arg)
+    factory = _POLICIES.get(name)
+    if factory is None:
+        raise PolicyError(f"unknown policy {spec!r} (known: {', '.join(_POLICIES.names())})")
+    return factory(arg)
 
 
 def require(module: str, extra: str) -> Any:

@@ -1,8 +1,9 @@
-"""The reward-model contract (DESIGN §4): ``score(prefixes) -> per-step scores``, batched.
+"""The reward-model contract (docs/design.md §4): ``score(prefixes) -> per-step scores``, batched.
 
-Implementations (PRM, ORM, rules, judge) live in the ``reward_models`` package and register a
-factory here; the engine calls :meth:`RewardModel.score` once per round for every tree's pending
-prefixes and reduces per-step scores with :func:`aggregate`.
+Implementations (PRM, ORM, rules, judge) are plugins: factories listed as
+``omrl_search.reward_models`` entry points (docs/design.md §7). The engine calls
+:meth:`RewardModel.score` once per round for every tree's pending prefixes and reduces
+per-step scores with :func:`aggregate`.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import math
 from abc import ABC, abstractmethod
 from typing import Callable
 
+from .plugins import Registry
 from .tree import Trajectory
 
 AGGREGATIONS = ("min", "last", "prod", "mean")
@@ -51,30 +53,29 @@ class RewardModel(ABC):
                 for s in self.score(prefixes)]
 
 
-_RMS: dict[str, Callable[..., RewardModel]] = {}
+_RMS = Registry("omrl_search.reward_models", "a reward-model factory f(arg) -> RewardModel", callable)
 
 
 def register_reward_model(name: str) -> Callable:
+    """Decorator: register a factory ``f(arg) -> RewardModel`` under ``name`` without an entry
+    point; installed ones are found through ``omrl_search.reward_models`` entry points."""
+
     def deco(factory: Callable[..., RewardModel]) -> Callable[..., RewardModel]:
-        _RMS[name] = factory
-        return factory
+        return _RMS.register(name, factory)
 
     return deco
 
 
 def list_reward_models() -> list[str]:
-    import reward_models  # noqa: F401
-
-    return sorted(_RMS)
+    return _RMS.names()
 
 
 def make_reward_model(spec: "str | RewardModel | None") -> RewardModel | None:
-    """``"rules:format=0.2,outcome=1"``, ``"prm:PATH"`` (when registered), a model, or None."""
+    """``"rules:format=0.2,outcome=1"``, ``"prm:PATH"``, a model (passes through), or None."""
     if spec is None or isinstance(spec, RewardModel):
         return spec
-    import reward_models  # noqa: F401
-
     name, _, arg = spec.partition(":")
-    if name not in _RMS:
-        raise ValueError(f"unknown reward model {spec!r} (known: {', '.join(sorted(_RMS))})")
-    return _RMS[name](arg)
+    factory = _RMS.get(name)
+    if factory is None:
+        raise ValueError(f"unknown reward model {spec!r} (known: {', '.join(_RMS.names())})")
+    return factory(arg)

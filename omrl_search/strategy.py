@@ -1,4 +1,4 @@
-"""The strategy contract (DESIGN §4) and its registry.
+"""The strategy contract (docs/design.md §4) and its registry (docs/design.md §7).
 
 A strategy is a small dataclass of hyper-parameters with ``async def run(ctx)`` that grows the
 tree through the context's batched primitives, and ``select(ctx)`` that names the final node.
@@ -8,9 +8,10 @@ context or the tree, never on ``self``.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import fields
+from dataclasses import fields, is_dataclass
 from typing import Any, Callable, ClassVar, Iterable
 
+from .plugins import Registry, name_if_unnamed
 from .specs import SpecError, parse_spec
 from .tree import Node
 
@@ -42,34 +43,37 @@ def majority_vote(nodes: Iterable[Node]) -> Node | None:
     return next(n for n in nodes if counts[str(n.step.info["answer"])] == top)
 
 
-_STRATEGIES: dict[str, type[Strategy]] = {}
+def _is_strategy_class(obj: Any) -> bool:
+    return isinstance(obj, type) and issubclass(obj, Strategy) and is_dataclass(obj)
+
+
+_STRATEGIES = Registry("omrl_search.strategies", "a Strategy dataclass", _is_strategy_class,
+                       name_if_unnamed)
 
 
 def register_strategy(name: str) -> Callable[[type], type]:
+    """Class decorator: make a strategy available by ``name`` without an entry point (tests,
+    notebooks); installed strategies are found through ``omrl_search.strategies`` entry points."""
+
     def deco(cls: type) -> type:
         cls.name = name
-        _STRATEGIES[name] = cls
-        return cls
+        return _STRATEGIES.register(name, cls)
 
     return deco
 
 
 def list_strategies() -> list[str]:
-    import strategies  # noqa: F401
-
-    return sorted(_STRATEGIES)
+    return _STRATEGIES.names()
 
 
 def make_strategy(spec: "str | Strategy") -> Strategy:
     """``"best_of_n:n=8,select=vote"`` -> a configured strategy; a Strategy passes through."""
     if isinstance(spec, Strategy):
         return spec
-    import strategies  # noqa: F401
-
     name, params = parse_spec(spec, "strategy")
-    if name not in _STRATEGIES:
-        raise SpecError(f"unknown strategy {name!r} (known: {', '.join(sorted(_STRATEGIES))})")
-    cls = _STRATEGIES[name]
+    cls = _STRATEGIES.get(name)
+    if cls is None:
+        raise SpecError(_STRATEGIES.unknown("strategy", name))
     known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
     bad = sorted(set(params) - known)
     if bad:

@@ -1,2 +1,2 @@
-"""Search strategies, one file per algorithm; importing the package registers them."""
-from . import beam, best_of_n, dfsdt, got, mcts, react, tot  # noqa: F401
+"""Search strategies, one file per algorithm; each is listed in ``pyproject.toml`` as an
+``omrl_search.strategies`` entry point and imported only when it is used (docs/design.md §7)."""

@@ -1,13 +1,8 @@
-"""Policy backends; importing this package registers their spec names.
+"""Policy backends bundled with the core: ``scripted``, ``hf``, ``llamacpp``, ``smollm2``,
+``openai``, ``vllm``.
 
-Every public module here is a backend and is imported (``hf_tokenizer`` and ``_``-prefixed
-modules are helpers, imported by the backends that use them). Each backend imports its heavy
-dependency (torch, llama_cpp, vllm, httpx) only when a policy is built, so ``import
-omrl_search`` stays light.
+Each is listed in ``pyproject.toml`` as an ``omrl_search.policies`` entry point and imported only
+when a policy of its name is built (docs/design.md §7); ``hf_tokenizer`` and ``_``-prefixed
+modules are helpers. Each backend imports its heavy dependency (torch, llama_cpp, vllm, httpx)
+only when a policy is built, so ``import omrl_search`` stays light.
 """
-import importlib as _importlib
-import pkgutil as _pkgutil
-
-for _mod in sorted(m.name for m in _pkgutil.iter_modules(__path__)):
-    if not _mod.startswith("_") and _mod != "hf_tokenizer":
-        _importlib.import_module(f"{__name__}.{_mod}")
