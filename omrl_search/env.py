@@ -1,4 +1,4 @@
-"""The environment contract (DESIGN §4): Gymnasium-like, text in and out, plus snapshots.
+"""The environment contract (docs/design.md §4): Gymnasium-like, text in and out, plus snapshots.
 
 An env subclasses :class:`Env` and one snapshot piece:
 
@@ -9,8 +9,9 @@ An env subclasses :class:`Env` and one snapshot piece:
   and checks the state key after replay to detect divergence.
 
 List the snapshot piece before ``Env`` in the bases (``class MyEnv(ValueSnapshots, Env)``) so
-its methods fill in ``Env``'s abstract ones. Envs register themselves with :func:`register_env`
-and are built by :func:`make_env`.
+its methods fill in ``Env``'s abstract ones. Installed envs are found through the
+``omrl_search.envs`` entry points (docs/design.md §7), envs defined in code with
+:func:`register_env`; :func:`make_env` builds either.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterable
 
+from .plugins import Registry, is_subclass, name_if_unnamed
 from .types import Snapshot, StepResult, Task
 
 
@@ -262,36 +264,47 @@ class ReplayEnv(Env):
         self.inner.close()
 
 
-# --- registry ----------------------------------------------------------------------------
-_ENVS: dict[str, type[Env]] = {}
+# --- registry (see docs/design.md §7) ---------------------------------------------------------
+_ENVS = Registry("omrl_search.envs", "an Env subclass", is_subclass(Env), name_if_unnamed)
+#: ``--env-server`` URLs by scheme (the part before ``+``): factories ``f(url, env) -> env_factory``
+_ENV_SERVERS = Registry("omrl_search.env_servers", "an env-server factory f(url, env)", callable)
 
 
 def register_env(name: str) -> Callable[[type[Env]], type[Env]]:
-    """Class decorator: make an env available to :func:`make_env` and the CLI."""
+    """Class decorator: make an env available to :func:`make_env` and the CLI without an entry
+    point (tests, notebooks); installed envs are found through ``omrl_search.envs`` entry points."""
 
     def deco(cls: type[Env]) -> type[Env]:
         cls.name = name
-        _ENVS[name] = cls
-        return cls
+        return _ENVS.register(name, cls)
 
     return deco
 
 
-def _load_builtin_envs() -> None:
-    import envs  # noqa: F401  (registers the bundled envs)
-
-
 def list_envs() -> list[str]:
-    _load_builtin_envs()
-    return sorted(_ENVS)
+    """Every env name: registered in code or listed as an entry point (none is imported)."""
+    return _ENVS.names()
 
 
 def env_class(name: str) -> type[Env]:
-    _load_builtin_envs()
-    try:
-        return _ENVS[name]
-    except KeyError:
-        raise KeyError(f"unknown env {name!r} (known: {', '.join(sorted(_ENVS))})") from None
+    cls = _ENVS.get(name)
+    if cls is None:
+        raise KeyError(_ENVS.unknown("env", name))
+    return cls
+
+
+def env_server_factory(url: str, env: str | None = None) -> Callable[[str], Env]:
+    """The ``env_factory`` for the env server at ``url`` (``--env-server``), built by the
+    ``omrl_search.env_servers`` plugin named by the URL's scheme: ``agentgym+http://h:1`` by
+    ``agentgym``, ``http://h:1`` by ``http``. A URL no plugin serves is one ValueError line."""
+    scheme, sep, _ = url.partition("://")
+    key = scheme.split("+")[0].strip().lower()
+    factory = _ENV_SERVERS.get(key) if sep and key else None
+    if factory is None:
+        known = ", ".join(f"{n}://" for n in _ENV_SERVERS.names()) or "none installed"
+        raise ValueError(f"bad env server {url!r}: no env-server plugin for its scheme "
+                         f"(known: {known}; e.g. http://127.0.0.1:8000 or agentgym+http://HOST:PORT)")
+    return factory(url, env)
 
 
 def make_env(name: str, *, snapshots: str | None = None, **kwargs: Any) -> Env:
