@@ -3,14 +3,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Sequence
 
-from .agent import ReActFormat
 from .budget import Budget
-from .engine import Engine
-from .env import Env, env_class, make_env
-from .executors import parse_executor
-from .policy import Policy, PolicyError, make_policy
+from .env import Env, env_class
+from .executors import Executor
+from .policy import Policy
 from .result import SearchResult
-from .reward import RewardModel, make_reward_model
+from .reward import RewardModel
 from .strategy import Strategy, make_strategy
 from .types import SamplingParams, Task
 
@@ -33,62 +31,31 @@ def search_many(tasks: Sequence[Task], *, strategy: "str | Strategy" = "react",
                 concurrency: int | None = None, progress: bool = False,
                 on_result: Callable[[SearchResult], None] | None = None,
                 env_factory: Callable[[str], Env] | None = None,
-                executor: str = "local", ray_address: str | None = None,
+                executor: "str | Executor" = "local", ray_address: str | None = None,
                 schedule: str = "continuous", prefix_order: bool = True,
                 policy_weights: tuple[Any, Any] | None = None) -> list[SearchResult]:
     """Search every task with one strategy, batching all trees' LM and reward-model calls.
 
+    Each argument may be a spec string or the object it names (a Strategy, Policy, RewardModel,
+    Budget, :class:`~omrl_search.executors.Executor`); objects pass through unparsed, so a
+    caller that built them once (the CLI, ``bench``) is not parsed again.
     ``budget`` applies to each task separately (``"tokens=20000"``, a dict, or a Budget).
     ``executor="ray"`` (or ``"ray:workers=4,..."``) runs the tasks on Ray actors, a local Ray or
     the cluster at ``ray_address``; see :mod:`omrl_search.executors`.
     ``env_factory(env_name)`` builds each search's env (default: in-process ``make_env``; e.g.
-    ``envs.remote.remote_factory(url)`` for envs on an ``omrl env serve`` or AgentGym server).
+    :func:`omrl_search.env.env_server_factory` for envs on an ``omrl env serve`` or AgentGym server).
     ``schedule`` (``continuous`` | ``lockstep``) and ``prefix_order`` choose how the trees' LM
     requests are grouped into policy calls (see :class:`~omrl_search.engine.Engine`); neither
     changes a seeded search's trees, only how busy the LM is kept.
     ``policy_weights=(version, state_dict)`` (Ray only): the actors' ``hf:`` policy searches with
     these weights (pushed once per version; online GRPO sends its live weights every round).
     """
-    strat = make_strategy(strategy)
-    where, options = parse_executor(executor)
-    if where == "ray":  # each Ray actor builds the policy from its spec (see executors.py)
-        from .executors import search_on_ray
-
-        extra = {"env_factory": env_factory} if env_factory is not None else {}
-        return search_on_ray(tasks, options=options, ray_address=ray_address, strategy=strat,
-                             policy=policy, reward_model=reward_model, progress=progress,
-                             on_result=on_result, policy_weights=policy_weights,
-                             budget=Budget.parse(budget), seed=seed,
-                             max_depth=max_depth, sampling=sampling, concurrency=concurrency,
-                             schedule=schedule, prefix_order=prefix_order, **extra)
-    if policy_weights is not None:
-        raise PolicyError("policy_weights need executor=ray (in process, load them into the policy object)")
-    pol = make_policy(policy)
-    engine = Engine(pol, reward_model=make_reward_model(reward_model), agent_format=ReActFormat(),
-                    sampling=sampling, max_depth=max_depth, seed=seed,
-                    env_factory=env_factory or make_env, schedule=schedule,
-                    prefix_order=prefix_order)
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(tasks), desc=strat.name, unit="task", leave=False)
-    won = 0
-
-    def done(result: SearchResult) -> None:
-        nonlocal won
-        won += result.success
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(success=f"{won}/{bar.n}")
-        if on_result is not None:
-            on_result(result)
-
-    try:
-        return engine.run(strat, tasks, Budget.parse(budget), concurrency=concurrency, on_result=done)
-    finally:
-        if bar is not None:
-            bar.close()
+    where = Executor.parse(executor, ray_address)
+    return where.search(tasks, strategy=make_strategy(strategy), policy=policy,
+                        reward_model=reward_model, budget=Budget.parse(budget), progress=progress,
+                        on_result=on_result, policy_weights=policy_weights, seed=seed,
+                        max_depth=max_depth, sampling=sampling, concurrency=concurrency,
+                        env_factory=env_factory, schedule=schedule, prefix_order=prefix_order)
 
 
 def search(task: Task, **kwargs: Any) -> SearchResult:

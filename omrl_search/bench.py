@@ -5,7 +5,7 @@ runs each strategy on the same tasks under each per-task budget (any budget kind
 ``DIR/summary.json`` (per strategy and budget, the fields of ``omrl search``'s summary),
 ``DIR/table.md``, ``DIR/scaling.png`` (success rate against tokens spent per task, one line per
 strategy) and ``DIR/scaling_env_steps.png`` (against env steps). Every argument is checked
-before anything runs or is written.
+before anything runs or is written. From Python (the loop's evaluations): :func:`bench`.
 """
 from __future__ import annotations
 
@@ -13,40 +13,32 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from .api import search_many, summarize
 from .budget import KINDS, Budget
-from .policy import make_policy
+from .executors import Executor
+from .policy import Policy, make_policy
 from .result import write_results, write_text_atomic
 from .reward import make_reward_model
-from .specs import SpecError, coerce
-from .strategy import make_strategy
-from .types import SamplingParams
+from .specs import SpecError, UsageError, coerce
+from .strategy import Strategy, make_strategy
+from .types import DEFAULT_MAX_TOKENS, SamplingParams, Task
+
+DEFAULT_STRATEGIES = "react,best_of_n,beam,tot,got,dfsdt,mcts"
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    from .cli import add_executor_args
+    from .cli import add_run_args, add_task_args
 
-    p.add_argument("--env", required=True, help="environment name")
-    p.add_argument("--split", default="test", help="task split (train|test)")
-    p.add_argument("--file", help="a JSONL file of tasks instead of the built-in split")
-    p.add_argument("--limit", type=int, default=None, help="first N tasks")
-    p.add_argument("--strategies", default="react,best_of_n,beam,tot,got,dfsdt,mcts",
+    add_task_args(p)
+    p.add_argument("--strategies", default=DEFAULT_STRATEGIES,
                    help="comma-separated strategy specs, e.g. react,beam:width=4,k=2,mcts")
-    p.add_argument("--policy", default="scripted:oracle:p=0.3", help="policy spec, as for search")
-    p.add_argument("--reward-model", default=None, help="e.g. rules:format=0.2,outcome=1")
     p.add_argument("--budgets", required=True,
                    help=f"KIND=V1,V2,... per-task limits; KIND is one of {', '.join(KINDS)}")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-depth", type=int, default=None, help="steps per episode (default: env's)")
-    p.add_argument("--max-tokens", type=int, default=96, help="completion tokens per step")
-    p.add_argument("--temperature", type=float, default=1.0, help="default sampling temperature")
-    p.add_argument("--concurrency", type=int, default=None, help="trees searched in lockstep")
-    add_executor_args(p)
+    add_run_args(p)
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--save-trees", action="store_true", help="also write DIR/trees/*.jsonl")
-    p.add_argument("--no-progress", action="store_true")
 
 
 def split_strategies(text: str) -> list[str]:
@@ -84,59 +76,109 @@ def parse_budgets(text: str) -> tuple[str, list[float]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .cli import UsageError, format_table, for_executor, tasks_from_args
+    """``omrl bench``: :func:`bench` over the tasks of ``--env``, then the table on stdout."""
+    from .cli import executor_from_args, format_table, tasks_from_args
 
-    # --- validate everything first -------------------------------------------------------------
     tasks = tasks_from_args(args)
-    strategies = [make_strategy(s) for s in split_strategies(args.strategies)]
-    kind, limits = parse_budgets(args.budgets)
-    reward_model = for_executor(args, make_reward_model, args.reward_model)
+    source = args.file or args.split
+    summary = bench(tasks, args.strategies, args.budgets, policy=args.policy,
+                    reward_model=args.reward_model, seed=args.seed, max_tokens=args.max_tokens,
+                    temperature=args.temperature, out=args.out, save_trees=args.save_trees,
+                    progress=not args.no_progress, executor=executor_from_args(args),
+                    concurrency=args.concurrency, max_depth=args.max_depth, source=source)
+    flat = {f"{n}@{b}": s for n, per in summary["strategies"].items() for b, s in per.items()}
+    print(format_table(flat))
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} exists and is not a directory")
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise UsageError("omrl bench needs matplotlib for its plots: pip install matplotlib") from None
-    policy = for_executor(args, make_policy, args.policy)
-    sampling = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
-    names = _names(strategies)
+    print(f"wrote {out / 'summary.json'}, {out / 'table.md'}, {out / 'scaling.png'} and "
+          f"{out / 'scaling_env_steps.png'}")
+    return 0
+
+
+def bench(tasks: Sequence[Task], strategies: "str | Sequence[str | Strategy]", budgets: str, *,
+          policy: "str | Policy", reward_model: Any = None, seed: int = 0,
+          max_tokens: int | None = None, temperature: float = 1.0, out: "str | Path | None" = None,
+          save_trees: bool = False, progress: bool = True, executor: "str | Executor" = "local",
+          ray_address: str | None = None, concurrency: int | None = None,
+          max_depth: int | None = None, source: str | None = None) -> dict[str, Any]:
+    """Every strategy on ``tasks`` at every budget; the summary (``{"config", "strategies"}``,
+    per strategy and budget the fields of ``omrl search``'s summary).
+
+    ``strategies``: spec strings, or one comma string as ``--strategies`` takes; ``budgets``:
+    ``"KIND=V1,V2,..."`` as ``--budgets`` takes; ``policy``/``reward_model``: specs or objects
+    (built once here for a local executor; Ray actors build specs themselves); ``max_tokens``
+    None is :data:`~omrl_search.types.DEFAULT_MAX_TOKENS`. With ``out``, writes
+    ``summary.json``, ``table.md``, the two plots (and with ``save_trees`` ``trees/*.jsonl``)
+    there. ``source`` names where the tasks came from in the summary (default: their splits).
+    Every argument is checked before any search runs or anything is written (a bad one raises
+    SpecError, UsageError, PolicyError or ValueError with one line).
+    """
+    # --- validate everything first -------------------------------------------------------------
+    tasks = list(tasks)
+    if not tasks:
+        raise UsageError("bench needs at least one task")
+    specs = split_strategies(strategies) if isinstance(strategies, str) else list(strategies)
+    strats = [make_strategy(s) for s in specs]
+    if not strats:
+        raise SpecError("no strategies to bench")
+    kind, limits = parse_budgets(budgets)
+    where = Executor.parse(executor, ray_address)
+    out = Path(out) if out is not None else None
+    if out is None and save_trees:
+        raise UsageError("save_trees needs an output directory (out=)")
+    if out is not None:
+        if out.exists() and not out.is_dir():
+            raise UsageError(f"--out {out} exists and is not a directory")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("omrl bench needs matplotlib for its plots: pip install matplotlib") from None
+    rm = where.build(make_reward_model, reward_model)
+    pol = where.build(make_policy, policy)
+    sampling = SamplingParams(temperature=temperature,
+                              max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
+    names = _names(strats)
 
     # --- run -----------------------------------------------------------------------------------
     rows: dict[str, dict[str, dict[str, Any]]] = {}
-    out.mkdir(parents=True, exist_ok=True)
-    for name, strat in zip(names, strategies):
-        bar = None if args.no_progress else _bar(name, len(tasks) * len(limits))
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    for name, strat in zip(names, strats):
+        bar = _bar(name, len(tasks) * len(limits)) if progress else None
         rows[name] = {}
         for limit in limits:
             label = f"{kind}={limit:g}"
             t0 = time.perf_counter()
-            results = search_many(tasks, strategy=strat, policy=policy, reward_model=reward_model,
-                                  budget={kind: limit}, seed=args.seed, max_depth=args.max_depth,
-                                  sampling=sampling, concurrency=args.concurrency,
+            results = search_many(tasks, strategy=strat, policy=pol, reward_model=rm,
+                                  budget={kind: limit}, seed=seed, max_depth=max_depth,
+                                  sampling=sampling, concurrency=concurrency,
                                   on_result=(lambda r: bar.update(1)) if bar else None,
-                                  executor=args.executor, ray_address=args.ray_address)
+                                  executor=where)
             rows[name][label] = {"strategy": strat.spec(), **summarize(results, time.perf_counter() - t0)}
             if bar is not None:
                 bar.set_postfix({label: f"{rows[name][label]['success_rate']:.2f}"})
-            if args.save_trees:
+            if save_trees and out is not None:
                 (out / "trees").mkdir(exist_ok=True)
                 write_results(out / "trees" / f"{name}@{label}.jsonl", results)
         if bar is not None:
             bar.close()
 
-    config = {"env": args.env, "split": args.split if not args.file else args.file,
-              "tasks": len(tasks), "policy": args.policy, "reward_model": args.reward_model,
-              "budget_kind": kind, "budgets": limits, "seed": args.seed}
-    write_text_atomic(out / "summary.json", json.dumps({"config": config, "strategies": rows}, indent=2) + "\n")
-    write_text_atomic(out / "table.md", markdown(config, rows))
-    plot(rows, out / "scaling.png", "tokens", f"tokens spent per task ({args.env}, {args.policy})")
-    plot(rows, out / "scaling_env_steps.png", "env_steps", f"env steps per task ({args.env}, {args.policy})")
-    flat = {f"{n}@{b}": s for n, per in rows.items() for b, s in per.items()}
-    print(format_table(flat))
-    print(f"wrote {out / 'summary.json'}, {out / 'table.md'}, {out / 'scaling.png'} and "
-          f"{out / 'scaling_env_steps.png'}")
-    return 0
+    env = tasks[0].env
+    config = {"env": env, "split": source or ",".join(sorted({t.split for t in tasks})),
+              "tasks": len(tasks), "policy": _spec_of(policy), "reward_model": _spec_of(reward_model),
+              "budget_kind": kind, "budgets": limits, "seed": seed}
+    summary = {"config": config, "strategies": rows}
+    if out is not None:
+        write_text_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+        write_text_atomic(out / "table.md", markdown(config, rows))
+        plot(rows, out / "scaling.png", "tokens", f"tokens spent per task ({env}, {config['policy']})")
+        plot(rows, out / "scaling_env_steps.png", "env_steps",
+             f"env steps per task ({env}, {config['policy']})")
+    return summary
+
+
+def _spec_of(obj: Any) -> Any:
+    """What the summary records of a policy or reward model: its spec, or an object's name."""
+    return obj if obj is None or isinstance(obj, str) else getattr(obj, "name", type(obj).__name__)
 
 
 def _names(strategies) -> list[str]:

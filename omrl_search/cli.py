@@ -1,7 +1,14 @@
-"""The ``omrl`` command.
+"""The ``omrl`` command, the front door (docs/design.md §2, §7).
+
+``omrl search`` and the listings (``envs``, ``strategies``, ``policies``, ``reward-models``) are
+built in; every other sub-command is an ``omrl_search.commands`` plugin: a module with
+``configure(parser)`` and ``run(args) -> int`` whose docstring's first line is its help. Only the
+command being run is imported (``omrl --help`` imports them all, for their help lines), so
+``omrl search`` loads no trainer and no torch unless its policy needs it.
 
 Every argument is validated (env, tasks, strategies, policy, budget) before anything is written;
-a bad one prints one line naming it and exits with status 2.
+a bad one prints one line naming it and exits with status 2. The options several commands share
+are defined once here: :func:`add_task_args`, :func:`add_run_args`, :func:`add_executor_args`.
 """
 from __future__ import annotations
 
@@ -10,104 +17,70 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from .api import SUMMARY_FIELDS, load_tasks, search_many, summarize
 from .budget import Budget
-from .env import EnvError, TaskFileError, env_class, list_envs
+from .env import EnvError, TaskFileError, env_class, env_server_factory, list_envs
+from .executors import Executor, parse_executor
+from .plugins import COMMANDS, PluginError, command_help
 from .policy import PolicyError, list_policies, make_policy
 from .result import write_results, write_text_atomic
 from .reward import list_reward_models, make_reward_model
-from .specs import SpecError
+from .specs import SpecError, UsageError
 from .strategy import list_strategies, make_strategy
-from .types import SamplingParams
+from .types import DEFAULT_MAX_TOKENS, SamplingParams
+
+__all__ = ["UsageError", "add_executor_args", "add_run_args", "add_task_args", "executor_from_args",
+           "format_table", "main", "models_from_args", "sampling_from_args", "tasks_from_args"]
+
+#: the policy of ``omrl search`` / ``omrl bench`` when none is given (no model needed)
+DEFAULT_POLICY = "scripted:oracle:p=0.3"
+#: built-in listings: command -> (what, function giving the names)
+LISTINGS = {"envs": ("environments", list_envs), "strategies": ("strategies", list_strategies),
+            "policies": ("policy backends", list_policies),
+            "reward-models": ("reward models", list_reward_models)}
+#: what a command may raise for bad input: one line, exit status 2
+USER_ERRORS = (UsageError, SpecError, PolicyError, TaskFileError, EnvError, PluginError, ValueError,
+               KeyError)
 
 
-class UsageError(Exception):
-    """A bad argument; printed as one line."""
+# --- options shared by commands (defined once) --------------------------------------------------
+def add_task_args(p: argparse.ArgumentParser) -> None:
+    """``--env``, ``--split``, ``--file``, ``--limit``: which tasks (read by :func:`tasks_from_args`)."""
+    p.add_argument("--env", required=True, help="environment name (`omrl envs` lists them)")
+    p.add_argument("--split", default="test", help="task split (train|test)")
+    p.add_argument("--file", help="a JSONL file of tasks instead of the built-in split")
+    p.add_argument("--limit", type=int, default=None, help="first N tasks")
 
 
-#: sub-commands that live in their own modules: each has ``configure(parser)`` and ``run(args)``
-#: (modules must import cheaply: torch and friends only inside ``run``)
-PLUGINS = {"bench": "omrl_search.bench", "export": "omrl_search.exports",
-           "label": "reward_models.labels", "train": "train.cli", "env": "envs.server",
-           "loop": "train.loop", "report": "omrl_search.report"}
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    """How tasks are searched: policy, reward model, seed, depth, sampling, concurrency,
+    executor and progress bars (read by :func:`models_from_args`, :func:`sampling_from_args`)."""
+    p.add_argument("--policy", default=DEFAULT_POLICY,
+                   help="smollm2 | hf:PATH | llamacpp:FILE.gguf | openai:URL#MODEL | "
+                        "scripted:oracle:p=P | scripted:random (`omrl policies` lists them)")
+    p.add_argument("--reward-model", default=None, help="e.g. rules:format=0.2,outcome=1")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-depth", type=int, default=None, help="steps per episode (default: env's)")
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help=f"completion tokens per step (default {DEFAULT_MAX_TOKENS})")
+    p.add_argument("--temperature", type=float, default=1.0, help="default sampling temperature")
+    p.add_argument("--concurrency", type=int, default=None, help="trees searched in lockstep")
+    add_executor_args(p)
+    p.add_argument("--no-progress", action="store_true")
 
 
-def _plugin(name: str):
-    import importlib
-
-    try:
-        return importlib.import_module(PLUGINS[name])
-    except ModuleNotFoundError as exc:
-        if exc.name != PLUGINS[name]:
-            raise
-        return None
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="omrl", description="Search-based rollouts for LLM agents.")
-    sub = p.add_subparsers(dest="command", required=True)
-
-    s = sub.add_parser("search", help="run a search strategy over an env's tasks")
-    s.add_argument("--env", required=True, help=f"environment name")
-    s.add_argument("--split", default="test", help="task split (train|test)")
-    s.add_argument("--file", help="a JSONL file of tasks instead of the built-in split")
-    s.add_argument("--limit", type=int, default=None, help="first N tasks")
-    s.add_argument("--strategy", action="append", default=None,
-                   help="NAME[:key=value,...]; repeat to compare strategies (default react)")
-    s.add_argument("--policy", default="scripted:oracle:p=0.3",
-                   help="smollm2 | hf:PATH | llamacpp:FILE.gguf | scripted:oracle:p=P | scripted:random")
-    s.add_argument("--reward-model", default=None, help="e.g. rules:format=0.2,outcome=1")
-    s.add_argument("--budget", default=None, help="per-task limits, e.g. tokens=20000,env_steps=50")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--max-depth", type=int, default=None, help="steps per episode (default: env's)")
-    s.add_argument("--max-tokens", type=int, default=96, help="completion tokens per step")
-    s.add_argument("--temperature", type=float, default=1.0, help="default sampling temperature")
-    s.add_argument("--concurrency", type=int, default=None, help="trees searched in lockstep")
-    s.add_argument("--env-server", default=None, metavar="URL",
-                   help="step envs on an `omrl env serve` at URL (agentgym+URL, webshop+URL, "
-                        "sqlgym+URL: an AgentGym server)")
-    add_executor_args(s)
-    s.add_argument("--out", default=None, help="write DIR/results.jsonl and DIR/summary.json")
-    s.add_argument("--no-progress", action="store_true")
-
-    for name in PLUGINS:
-        mod = _plugin(name)
-        if mod is not None:
-            mod.configure(sub.add_parser(name, help=mod.__doc__.strip().splitlines()[0]))
-
-    for name, what in (("envs", "environments"), ("strategies", "strategies"),
-                       ("policies", "policy backends"), ("reward-models", "reward models")):
-        sub.add_parser(name, help=f"list {what}")
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    # OpenMP threads (torch's and llama.cpp's) spin while they wait; where another process shares
-    # the cores that made SmolLM2 SFT steps 4x slower (52 s against 7-13 s passive, measured on
-    # the 2-core dev VM) and llama.cpp 8-10x. Read when libgomp loads, so set before any import.
-    import os
-
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    args = _parser().parse_args(argv)
-    try:
-        if args.command == "search":
-            return _search(args)
-        if args.command in PLUGINS:
-            return _plugin(args.command).run(args)
-        listing = {"envs": list_envs, "strategies": list_strategies, "policies": list_policies,
-                   "reward-models": list_reward_models}[args.command]
-        print("\n".join(listing()))
-        return 0
-    except (UsageError, SpecError, PolicyError, TaskFileError, EnvError, ValueError, KeyError) as exc:
-        msg = exc.args[0] if exc.args else type(exc).__name__
-        print(f"omrl: error: {msg}", file=sys.stderr)
-        return 2
+def add_executor_args(p: argparse.ArgumentParser) -> None:
+    """``--executor`` and ``--ray-address`` (read by :func:`executor_from_args`)."""
+    p.add_argument("--executor", default="local",
+                   help="local (this process) | ray[:workers=N,chunk=C,num_cpus=X,num_gpus=Y]")
+    p.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (auto, ray://HEAD:10001) instead of a local Ray")
 
 
 def tasks_from_args(args: argparse.Namespace) -> list:
-    """The tasks named by ``--env/--split/--limit/--file``, validated (shared by sub-commands)."""
+    """The tasks named by ``--env/--split/--limit/--file``, validated."""
     try:
         env_class(args.env)
     except KeyError as exc:
@@ -120,42 +93,53 @@ def tasks_from_args(args: argparse.Namespace) -> list:
     return tasks
 
 
-def add_executor_args(p: argparse.ArgumentParser) -> None:
-    """``--executor`` and ``--ray-address`` (shared by search and bench)."""
-    p.add_argument("--executor", default="local",
-                   help="local (this process) | ray[:workers=N,chunk=C,num_cpus=X,num_gpus=Y]")
-    p.add_argument("--ray-address", default=None,
-                   help="join this Ray cluster (auto, ray://HEAD:10001) instead of a local Ray")
-
-
-def for_executor(args: argparse.Namespace, make, spec):
-    """``make(spec)`` (a policy, a reward model) built here for ``--executor local``; for Ray the
-    spec string itself: each actor builds its own. The executor spec is checked first."""
-    from .executors import parse_executor
-
-    where, _ = parse_executor(args.executor)
-    if where == "local" and args.ray_address:
+def executor_from_args(args: argparse.Namespace) -> Executor:
+    """``--executor``/``--ray-address`` parsed once, into the Executor every search is given."""
+    kind, options = parse_executor(args.executor)
+    if kind == "local" and args.ray_address:
         raise UsageError("--ray-address needs --executor ray")
-    return make(spec) if where == "local" else spec
+    return Executor(kind, options, args.ray_address)
+
+
+def models_from_args(args: argparse.Namespace) -> tuple[Executor, Any, Any]:
+    """(executor, policy, reward model): the models built once here for a local search, left as
+    their specs for Ray (each actor builds its own). The executor spec is checked first."""
+    executor = executor_from_args(args)
+    reward_model = executor.build(make_reward_model, args.reward_model)
+    return executor, executor.build(make_policy, args.policy), reward_model
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+
+
+# --- omrl search ----------------------------------------------------------------------------
+def _configure_search(s: argparse.ArgumentParser) -> None:
+    add_task_args(s)
+    s.add_argument("--strategy", action="append", default=None,
+                   help="NAME[:key=value,...]; repeat to compare strategies (default react)")
+    s.add_argument("--budget", default=None, help="per-task limits, e.g. tokens=20000,env_steps=50")
+    s.add_argument("--env-server", default=None, metavar="URL",
+                   help="step envs on an `omrl env serve` at URL (agentgym+URL, webshop+URL, "
+                        "sqlgym+URL: an AgentGym server; other schemes: env-server plugins)")
+    add_run_args(s)
+    s.add_argument("--out", default=None, help="write DIR/results.jsonl and DIR/summary.json")
 
 
 def _search(args: argparse.Namespace) -> int:
     tasks = tasks_from_args(args)
     strategies = [make_strategy(s) for s in (args.strategy or ["react"])]
     budget = Budget.parse(args.budget)
-    reward_model = for_executor(args, make_reward_model, args.reward_model)
     out = Path(args.out) if args.out else None
     if out is not None and out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} exists and is not a directory")
-    policy = for_executor(args, make_policy, args.policy)
-    sampling = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    executor, policy, reward_model = models_from_args(args)
+    sampling = sampling_from_args(args)
     env_factory = None
     if args.env_server:
-        from envs.remote import remote_factory
-
-        env_factory = remote_factory(args.env_server, args.env)
+        env_factory = env_server_factory(args.env_server, args.env)
         if args.concurrency is None:  # each tree holds a server env: stay under the server's cap
-            args.concurrency = env_factory.max_envs
+            args.concurrency = getattr(env_factory, "max_envs", None)
 
     summary, all_results = {}, []
     for strat in strategies:
@@ -164,7 +148,7 @@ def _search(args: argparse.Namespace) -> int:
                               budget=budget, seed=args.seed, max_depth=args.max_depth,
                               sampling=sampling, concurrency=args.concurrency,
                               progress=not args.no_progress, env_factory=env_factory,
-                              executor=args.executor, ray_address=args.ray_address)
+                              executor=executor)
         key = strat.spec() if len(strategies) > 1 and strat.name in summary else strat.name
         summary[key] = summarize(results, time.perf_counter() - t0)
         all_results += results
@@ -175,6 +159,54 @@ def _search(args: argparse.Namespace) -> int:
         write_text_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
         print(f"wrote {out / 'results.jsonl'} and {out / 'summary.json'}")
     return 0
+
+
+# --- the parser and main ----------------------------------------------------------------------
+def _parser(command: str | None) -> argparse.ArgumentParser:
+    """The parser with only ``command``'s sub-parser when it names one (its plugin alone is
+    imported), else with every command (``omrl --help``, a typo): a plugin that fails to load
+    is then left out with one warning line, the others stay."""
+    p = argparse.ArgumentParser(prog="omrl", description="Search-based rollouts for LLM agents.")
+    sub = p.add_subparsers(dest="command", required=True)
+    builtin = ["search", *LISTINGS]
+    every = command not in builtin and command not in COMMANDS.names()
+    if every or command == "search":
+        _configure_search(sub.add_parser("search", help="run a search strategy over an env's tasks"))
+    for name in COMMANDS.names() if every else [command] if command not in builtin else []:
+        try:
+            mod = COMMANDS.get(name)
+        except PluginError as exc:
+            if not every:
+                raise
+            print(f"omrl: warning: {exc}", file=sys.stderr)
+            continue
+        mod.configure(sub.add_parser(name, help=command_help(mod)))
+    for name, (what, _) in LISTINGS.items():
+        if every or command == name:
+            sub.add_parser(name, help=f"list {what}")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    # OpenMP threads (torch's and llama.cpp's) spin while they wait; where another process shares
+    # the cores that made SmolLM2 SFT steps 4x slower (52 s against 7-13 s passive, measured on
+    # the 2-core dev VM) and llama.cpp 8-10x. Read when libgomp loads, so set before any import.
+    import os
+
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = _parser(argv[0] if argv else None).parse_args(argv)
+        if args.command == "search":
+            return _search(args)
+        if args.command in LISTINGS:
+            print("\n".join(LISTINGS[args.command][1]()))
+            return 0
+        return COMMANDS.get(args.command).run(args)
+    except USER_ERRORS as exc:
+        msg = exc.args[0] if exc.args else type(exc).__name__
+        print(f"omrl: error: {msg}", file=sys.stderr)
+        return 2
 
 
 def format_table(summary: dict[str, dict]) -> str:

@@ -1,8 +1,12 @@
 """Where :func:`omrl_search.search_many` runs: ``local`` (this process, the default) or ``ray``.
 
+:class:`Executor` is the parsed choice; :func:`search_here` is the in-process search and
+:func:`search_on_ray` spreads it over actors that each run :func:`search_here` (so this module
+needs nothing from :mod:`omrl_search.api`, which calls it).
+
 ``executor="ray"`` (``--executor ray`` in the CLI) partitions the tasks over Ray actors; each
 actor builds its own policy and reward model **from their specs** once and runs the ordinary
-in-process ``search_many`` on its share (so its own engine, envs and lockstep batching); the
+in-process search (:func:`search_here`) on its share (so its own engine, envs and lockstep batching); the
 results come back as ``results.jsonl`` lines (no live env snapshots) and are put back in the
 input order. Because the engine seeds every task from ``(seed, task_id)``, a seeded scripted
 search gives the same trees on Ray as in-process. (Sampling LM backends draw per batch, and
@@ -43,19 +47,26 @@ adding parallelism that more search workers do not already give.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
-from .policy import PolicyError, require
+from .agent import ReActFormat
+from .budget import Budget
+from .engine import Engine
+from .env import Env, make_env
+from .policy import PolicyError, make_policy, require
 from .result import SearchResult
+from .reward import make_reward_model
 from .specs import SpecError, parse_spec
+from .strategy import Strategy
 from .tree import FAILED, SearchTree
-from .types import Task
+from .types import SamplingParams, Task
 
 EXECUTORS = ("local", "ray")
 _RAY_OPTIONS = {"workers": int, "chunk": int, "num_cpus": float, "num_gpus": float}
 
 
-def parse_executor(spec: str) -> tuple[str, dict[str, Any]]:
+def parse_executor(spec: str | None) -> tuple[str, dict[str, Any]]:
     """``"ray:workers=4"`` -> ``("ray", {"workers": 4})``, checked; a bad one is a SpecError."""
     name, opts = parse_spec(spec or "local", "executor")
     if name not in EXECUTORS:
@@ -70,13 +81,91 @@ def parse_executor(spec: str) -> tuple[str, dict[str, Any]]:
     return name, opts
 
 
+@dataclass(frozen=True)
+class Executor:
+    """A parsed executor: ``kind`` (local | ray), its ``options`` and the Ray cluster to join.
+
+    Built once (by the CLI, ``bench`` or ``search_many``) and passed along as it is, so nothing
+    downstream parses the spec again."""
+
+    kind: str = "local"
+    options: dict[str, Any] = field(default_factory=dict)
+    ray_address: str | None = None
+
+    @classmethod
+    def parse(cls, spec: "str | Executor | None" = None, ray_address: str | None = None) -> "Executor":
+        """From ``"ray:workers=4"`` (or an Executor, passed through); a bad spec is a SpecError."""
+        if isinstance(spec, Executor):
+            return spec if ray_address is None else replace(spec, ray_address=ray_address)
+        kind, options = parse_executor(spec)
+        if kind == "local" and ray_address:
+            raise SpecError("ray_address needs executor 'ray' (e.g. ray:workers=4)")
+        return cls(kind, options, ray_address)
+
+    def build(self, make: Callable[[Any], Any], spec: Any) -> Any:
+        """``make(spec)`` (a policy, a reward model) built here once when searching in this
+        process; on Ray the spec itself, which every actor builds for itself."""
+        return make(spec) if self.kind == "local" else spec
+
+    def search(self, tasks: Sequence[Task], *, strategy: Strategy, policy: Any, reward_model: Any,
+               budget: Budget, progress: bool = False,
+               on_result: Callable[[SearchResult], None] | None = None,
+               policy_weights: tuple[Any, Any] | None = None, **search_kwargs: Any) -> list[SearchResult]:
+        """Search ``tasks`` here or on Ray; ``search_kwargs`` are :func:`search_here`'s (seed,
+        max_depth, sampling, concurrency, env_factory, schedule, prefix_order)."""
+        if self.kind == "ray":
+            return search_on_ray(tasks, options=self.options, ray_address=self.ray_address,
+                                 strategy=strategy, policy=policy, reward_model=reward_model,
+                                 progress=progress, on_result=on_result,
+                                 policy_weights=policy_weights, budget=budget, **search_kwargs)
+        if policy_weights is not None:
+            raise PolicyError("policy_weights need executor=ray (in process, load them into the policy object)")
+        return search_here(tasks, strategy=strategy, policy=policy, reward_model=reward_model,
+                           budget=budget, progress=progress, on_result=on_result, **search_kwargs)
+
+
+def search_here(tasks: Sequence[Task], *, strategy: Strategy, policy: Any, reward_model: Any,
+                budget: Budget, seed: int = 0, max_depth: int | None = None,
+                sampling: SamplingParams | None = None, concurrency: int | None = None,
+                progress: bool = False, on_result: Callable[[SearchResult], None] | None = None,
+                env_factory: Callable[[str], Env] | None = None, schedule: str = "continuous",
+                prefix_order: bool = True) -> list[SearchResult]:
+    """The in-process search (what every Ray actor runs on its share too): one engine, every
+    tree's LM and reward-model calls batched. ``policy``/``reward_model``: objects or specs."""
+    engine = Engine(make_policy(policy), reward_model=make_reward_model(reward_model),
+                    agent_format=ReActFormat(), sampling=sampling, max_depth=max_depth, seed=seed,
+                    env_factory=env_factory or make_env, schedule=schedule,
+                    prefix_order=prefix_order)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(tasks), desc=strategy.name, unit="task", leave=False)
+    won = 0
+
+    def done(result: SearchResult) -> None:
+        nonlocal won
+        won += result.success
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(success=f"{won}/{bar.n}")
+        if on_result is not None:
+            on_result(result)
+
+    try:
+        return engine.run(strategy, tasks, budget, concurrency=concurrency, on_result=done)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
 def search_on_ray(tasks: Sequence[Task], *, options: dict[str, Any], ray_address: str | None,
                   strategy: Any, policy: Any, reward_model: Any, progress: bool = False,
                   on_result: Callable[[SearchResult], None] | None = None,
                   policy_weights: tuple[Any, Any] | None = None,
                   **search_kwargs: Any) -> list[SearchResult]:
     """``search_many(tasks, ...)`` on Ray actors; ``search_kwargs`` are passed to each actor's
-    ``search_many`` (budget, seed, max_depth, sampling, concurrency, env_factory).
+    :func:`search_here` (budget, seed, max_depth, sampling, concurrency, env_factory, ...).
     ``policy_weights=(version, state_dict)``: load these weights into the actors' policy first."""
     ray = _ray(ray_address)
     policy, pkey = _portable(ray, policy, "policy", "e.g. 'smollm2:llamacpp' or 'openai:http://HOST:8000/v1#MODEL'")
@@ -196,9 +285,6 @@ class _SearchWorker:
     """A Ray actor: one policy and reward model, built from their specs, searching chunks."""
 
     def __init__(self, policy: Any, reward_model: Any) -> None:
-        from .policy import make_policy
-        from .reward import make_reward_model
-
         self._error = ""
         self._version: Any = None  # of the weights pushed last (None: those the spec loaded)
         try:
@@ -237,12 +323,9 @@ class _SearchWorker:
 
     def run(self, strategy: Any, tasks: list[Task], kwargs: dict[str, Any],
             weights: tuple[Any, list[Any]] | None = None) -> list[dict[str, Any]]:
-        from .api import search_many
-
         if weights is not None and (error := self.load_weights(*weights)):
             raise PolicyError(error)
-
-        results = search_many(tasks, strategy=strategy, policy=self.policy,
+        results = search_here(tasks, strategy=strategy, policy=self.policy,
                               reward_model=self.reward_model, **kwargs)
         return [r.to_dict() for r in results]
 

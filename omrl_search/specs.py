@@ -53,3 +53,7 @@ def split_path_spec(arg: str, what: str = "options") -> tuple[str, dict[str, Any
     if sep and "=" in tail and not os.path.exists(arg):
         return head, parse_kv(tail, what)
     return arg, {}
+
+
+class UsageError(Exception):
+    """A bad argument or setting; the CLI prints it as one line and exits with status 2."""
