@@ -26,12 +26,12 @@ Nothing heavy is imported at module level.
 from __future__ import annotations
 
 import os
-import random
-from typing import Any, Sequence
+from typing import Any
 
 from ..policy import (Policy, PolicyError, from_path_spec, register_policy, request_prompt_ids,
                       require)
 from ..types import GenRequest, Generation
+from ._decode import ChunkedDecoder, Row, prefix_groups
 from .hf_tokenizer import HFChatTokenizer
 
 #: the CPU dtype used when ``dtype="auto"`` (on CPUs with native bfloat16, see
@@ -70,61 +70,7 @@ def _looks_local(path: str) -> bool:
     )
 
 
-class Row:
-    """One generated sequence's bookkeeping, shared by the backends: its tokens and raw logprobs,
-    when it ends (EOS: kept in ``token_ids``, cut from the text; a stop string: text cut
-    before it, ``token_ids`` up to the token that completed it; ``limit`` tokens: "length"), and
-    its own random stream ``rng``, seeded from ``seed`` (its request's seed and sample index)."""
-
-    __slots__ = ("prompt_len", "limit", "tok", "eos", "stops", "max_stop", "ids", "lps", "checked",
-                 "result", "rng")
-
-    def __init__(self, prompt: Sequence[int], params: Any, limit: int, tokenizer: Any,
-                 seed: str = "") -> None:
-        self.rng = random.Random(seed)
-        self.prompt_len = len(prompt)
-        self.limit = limit
-        self.tok = tokenizer
-        self.eos = tokenizer.eos_token_ids
-        self.stops = tuple(s for s in params.stop if s)
-        self.max_stop = max((len(s) for s in self.stops), default=0)
-        self.ids: list[int] = []
-        self.lps: list[float] = []
-        self.checked = 0  # length of the decoded text already searched for stop strings
-        self.result: Generation | None = None
-
-    def push(self, token: int, logprob: float) -> bool:
-        """Append one sampled token; return True (and set ``result``) when the sequence ends."""
-        ids = self.ids
-        ids.append(token)
-        self.lps.append(logprob)
-        if token in self.eos:
-            return self._end(self.tok.decode(ids[:-1]), "stop", True)
-        if self.stops:
-            text = self.tok.decode(ids)
-            lo = max(0, self.checked - self.max_stop + 1)
-            hits = [i for i in (text.find(s, lo) for s in self.stops) if i >= 0]
-            self.checked = len(text)
-            if hits:
-                return self._end(text[:min(hits)], "stop", False)
-        if len(ids) >= self.limit:
-            return self._end(None, "length", False)
-        return False
-
-    def _end(self, text: str | None, reason: str, eos: bool) -> bool:
-        self.result = Generation(
-            text=self.tok.decode(self.ids) if text is None else text,
-            token_ids=self.ids,
-            logprobs=self.lps,
-            prompt_tokens=self.prompt_len,
-            completion_tokens=len(self.ids),
-            finish_reason=reason,
-            ended_with_eos=eos,
-        )
-        return True
-
-
-class HFPolicy(Policy):
+class HFPolicy(ChunkedDecoder, Policy):
     """A transformers ``AutoModelForCausalLM`` with its tokenizer.
 
     ``device``: ``"cpu"``, ``"cuda"`` (``"cuda:1"``...) or ``"auto"`` (cuda when available).
@@ -219,39 +165,27 @@ class HFPolicy(Policy):
         return request_prompt_ids("hf", req, self.tokenizer, self._vocab_size,
                                   self._max_positions, "max_position_embeddings")
 
-    def generate(self, requests: list[GenRequest]) -> list[list[Generation]]:
+    def _check_open(self) -> None:
         if self.model is None:
             raise PolicyError("hf: policy is closed")
-        torch = self._torch
-        out: list[list[Generation | None]] = [[None] * r.params.n for r in requests]
-        if not requests:
-            return []  # type: ignore[return-value]
-        prompts = [self._prompt_ids(r) for r in requests]
-        seeds = [int(torch.randint(0, 2**62, (1,), generator=self._gen)) if r.params.seed is None
-                 else r.params.seed for r in requests]
-        rows: list[tuple[int, int]] = []
-        for ri in sorted(range(len(requests)), key=lambda i: len(prompts[i])):
-            p = requests[ri].params
-            for si in range(p.n):
-                if p.max_tokens <= 0:
-                    out[ri][si] = Generation("", [], [], len(prompts[ri]), 0, "length", False)
-                else:
-                    rows.append((ri, si))
-        with torch.inference_mode():
-            for start in range(0, len(rows), self.max_batch):
-                chunk = rows[start:start + self.max_batch]
-                for (ri, si), g in zip(chunk, self._run_chunk(chunk, requests, prompts, seeds)):
-                    out[ri][si] = g
-        return out  # type: ignore[return-value]
 
-    def _run_chunk(self, chunk: list[tuple[int, int]], requests: list[GenRequest],
-                   prompts: list[list[int]], seeds: list[int]) -> list[Generation]:
+    def _new_seed(self) -> int:
+        return int(self._torch.randint(0, 2**62, (1,), generator=self._gen))
+
+    def _context_len(self) -> int:
+        return self._max_positions
+
+    def _order_key(self, prompt: list[int]) -> int:
+        return len(prompt)
+
+    def _decoding(self) -> Any:
+        return self._torch.inference_mode()
+
+    def _prefill(self, chunk: list[tuple[int, int]], prompts: list[list[int]],
+                 rows: list[Row]) -> tuple[dict[str, Any], Any]:
         torch = self._torch
         dev = self.device
         tok = self.tokenizer
-        params = [requests[ri].params for ri, _ in chunk]
-        limit = [min(p.max_tokens, self._max_positions - len(prompts[ri]))
-                 for p, (ri, _) in zip(params, chunk)]
         # distinct prompts of this chunk, each prefilled once
         uniq: dict[int, int] = {}
         for ri, _ in chunk:
@@ -261,20 +195,20 @@ class HFPolicy(Policy):
         # shared prefixes (the system prompt, one task's prompt...) are prefilled once each: level
         # by level, each row left padded on top of its parent row of the level before
         levels = _prefill_levels(uprompts, self.min_shared_prefix, self.group_prefixes)
-        widths = [max(e - s for _, s, e in rows) for rows, _ in levels]
-        cache = _make_cache(self.model.config, capacity=sum(widths) + max(limit))
+        widths = [max(e - s for _, s, e in lrows) for lrows, _ in levels]
+        cache = _make_cache(self.model.config, capacity=sum(widths) + max(r.limit for r in rows))
         mask = None
-        for (rows, parents), W in zip(levels, widths):
+        for (lrows, parents), W in zip(levels, widths):
             if parents is not None:
                 idx = torch.tensor(parents, device=dev)
                 cache.batch_select_indices(idx)
                 mask = mask[idx]
-            ids = torch.full((len(rows), W), tok.pad_token_id, dtype=torch.long)
-            seg = torch.zeros((len(rows), W), dtype=torch.long)
-            for r, (u, s, e) in enumerate(rows):
+            ids = torch.full((len(lrows), W), tok.pad_token_id, dtype=torch.long)
+            seg = torch.zeros((len(lrows), W), dtype=torch.long)
+            for r, (u, s, e) in enumerate(lrows):
                 ids[r, W - (e - s):] = torch.tensor(uprompts[u][s:e], dtype=torch.long)
                 seg[r, W - (e - s):] = 1
-            pos = torch.tensor([[s] for _, s, _ in rows]) + (seg.cumsum(-1) - 1).clamp(min=0)
+            pos = torch.tensor([[s] for _, s, _ in lrows]) + (seg.cumsum(-1) - 1).clamp(min=0)
             seg = seg.to(dev)
             mask = seg if mask is None else torch.cat([mask, seg], dim=1)
             o = self.model(input_ids=ids.to(dev), attention_mask=mask, position_ids=pos.to(dev),
@@ -285,38 +219,37 @@ class HFPolicy(Policy):
             idx = torch.tensor(sel, device=dev)
             cache.batch_select_indices(idx)
             logits, mask = logits[idx], mask[idx]
-        B = len(chunk)
-        next_pos = torch.tensor([len(prompts[ri]) for ri, _ in chunk], device=dev)
+        params = [r.params for r in rows]
+        state = {
+            "cache": cache, "mask": mask,
+            "next_pos": torch.tensor([len(prompts[ri]) for ri, _ in chunk], device=dev),
+            "temps": torch.tensor([max(p.temperature, 0.0) for p in params], device=dev),
+            "top_ps": torch.tensor([p.top_p if 0.0 < p.top_p < 1.0 else 1.0 for p in params], device=dev),
+        }
+        return state, logits
 
-        temps = torch.tensor([max(p.temperature, 0.0) for p in params], device=dev)
-        top_ps = torch.tensor([p.top_p if 0.0 < p.top_p < 1.0 else 1.0 for p in params], device=dev)
-        rows = [Row(prompts[ri], p, lim, tok, f"{seeds[ri]}:{si}")
-                for (ri, si), p, lim in zip(chunk, params, limit)]
-        active = list(range(B))  # chunk row of each batch row; finished rows stay until compaction
-        n_live = B
+    def _sample_rows(self, state: dict[str, Any], logits: Any,
+                     rows: list[Row]) -> tuple[list[int], list[float]]:
+        tokens, lps = self._sample(logits, state["temps"], state["top_ps"], [r.rng for r in rows])
+        return tokens.tolist(), lps.tolist()
 
-        while True:
-            tokens, lps = self._sample(logits, temps, top_ps, [rows[b].rng for b in active])
-            t_list, lp_list = tokens.tolist(), lps.tolist()
-            for j, b in enumerate(active):
-                if rows[b].result is None and rows[b].push(t_list[j], lp_list[j]):
-                    n_live -= 1
-            if n_live == 0:
-                break
-            # drop finished rows (a KV copy) once they are a quarter of the batch
-            if len(active) - n_live >= max(1, len(active) // 4):
-                keep = [j for j, b in enumerate(active) if rows[b].result is None]
-                kidx = torch.tensor(keep, device=dev)
-                cache.batch_select_indices(kidx)
-                mask, next_pos, tokens = mask[kidx], next_pos[kidx], tokens[kidx]
-                temps, top_ps = temps[kidx], top_ps[kidx]
-                active = [active[j] for j in keep]
-            mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
-            o = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                           past_key_values=cache, use_cache=True)
-            next_pos = (next_pos + 1).clamp(max=self._max_positions - 1)
-            logits = o.logits[:, -1, :].float()
-        return [r.result for r in rows]  # type: ignore[misc]
+    def _step(self, state: dict[str, Any], tokens: list[int], active: list[int],
+              keep: list[int]) -> tuple[list[int], Any]:
+        torch, st = self._torch, state
+        ids = torch.tensor(tokens, device=self.device)
+        kept = list(range(len(tokens)))
+        # drop finished rows (a KV copy) once they are a quarter of the batch
+        if len(tokens) - len(keep) >= max(1, len(tokens) // 4):
+            kidx = torch.tensor(keep, device=self.device)
+            st["cache"].batch_select_indices(kidx)
+            for key in ("mask", "next_pos", "temps", "top_ps"):
+                st[key] = st[key][kidx]
+            ids, kept = ids[kidx], keep
+        mask = st["mask"] = torch.cat([st["mask"], st["mask"].new_ones((len(kept), 1))], dim=1)
+        o = self.model(input_ids=ids[:, None], attention_mask=mask,
+                       position_ids=st["next_pos"][:, None], past_key_values=st["cache"], use_cache=True)
+        st["next_pos"] = (st["next_pos"] + 1).clamp(max=self._max_positions - 1)
+        return kept, o.logits[:, -1, :].float()
 
     def _sample(self, logits: Any, temps: Any, top_ps: Any, rngs: list[Any]) -> tuple[Any, Any]:
         """Pick one token per row (row ``j`` draws from ``rngs[j]``); return it and its raw
@@ -399,36 +332,6 @@ def _prealloc_layer_class(base: type) -> type:
     _PREALLOC[base] = PreallocLayer
     return PreallocLayer
 
-
-
-def _shared_prefix(prompts: list[list[int]]) -> int:
-    """Length of the longest prefix all ``prompts`` share, leaving each at least one token."""
-    first = prompts[0]
-    n = min(len(p) for p in prompts) - 1
-    for p in prompts[1:]:
-        while n > 0 and p[:n] != first[:n]:
-            n = next((i for i in range(n) if p[i] != first[i]), n)
-    return max(n, 0)
-
-
-def prefix_groups(prompts: list[list[int]], min_shared: int) -> tuple[int, list[tuple[list[int], int]]]:
-    """Shared prefixes of distinct ``prompts``: ``base``, the prefix all share (0 when shorter
-    than ``min_shared``), and groups of prompt indices (neighbours in sorted order sharing at
-    least ``min_shared`` tokens more: one task's prompt and path), each with the prefix its
-    members share (``base`` for a group of one). Every prefix leaves each prompt a token."""
-    base = _shared_prefix(prompts) if len(prompts) > 1 else 0
-    base = base if base >= min_shared else 0
-    order = sorted(range(len(prompts)), key=prompts.__getitem__)
-    groups: list[tuple[list[int], int]] = [(order[:1], base)]
-    for a, b in zip(order, order[1:]):
-        n = _shared_prefix([prompts[a], prompts[b]])
-        members, shared = groups[-1]
-        if n >= base + min_shared:
-            members.append(b)
-            groups[-1] = (members, n if len(members) == 2 else min(shared, n))
-        else:
-            groups.append(([b], base))
-    return base, groups
 
 
 Level = tuple[list[tuple[int, int, int]], "list[int] | None"]

@@ -13,7 +13,7 @@ How it runs:
   the rest is evaluated: ``n`` samples of one prompt evaluate it once, and the engine's next turn
   (prompt + completion + observation) evaluates only the new tokens; within a call, a prefix that
   all prompts or a group of them share is evaluated once and copied
-  (:func:`~omrl_search.backends.hf.prefix_groups`);
+  (:func:`~omrl_search.backends._decode.prefix_groups`);
 * flash attention is on by default: without it, decoding with ``n_ctx``-cell streams was 10-50x
   slower on the development VM;
 * all live sequences decode together, one ``llama_decode`` per step; sampling is done here from
@@ -30,6 +30,7 @@ AMX, like the development VM) crash with a segfault in ``ggml_backend_amx_mul_ma
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -38,7 +39,7 @@ from typing import Any, Sequence
 from ..policy import (Policy, PolicyError, from_path_spec, register_policy, request_prompt_ids,
                       require)
 from ..types import GenRequest, Generation
-from .hf import Row, prefix_groups
+from ._decode import ChunkedDecoder, Row, prefix_groups
 from .hf_tokenizer import CHATML_TEMPLATE, compile_chat_template
 
 _BACKEND_READY = False
@@ -120,7 +121,7 @@ class LlamaCppTokenizer:
         )
 
 
-class LlamaCppPolicy(Policy):
+class LlamaCppPolicy(ChunkedDecoder, Policy):
     """A GGUF model run by llama.cpp (CPU by default; ``n_gpu_layers`` for a GPU build).
 
     ``n_ctx``: the most tokens (prompt + completion) one sequence may hold (capped at the model's
@@ -237,34 +238,26 @@ class LlamaCppPolicy(Policy):
     def _prompt_ids(self, req: GenRequest) -> list[int]:
         return request_prompt_ids("llamacpp", req, self.tokenizer, self.n_vocab, self.n_ctx, "n_ctx")
 
-    def generate(self, requests: list[GenRequest]) -> list[list[Generation]]:
+    def _check_open(self) -> None:
         if self._ctx is None:
             raise PolicyError("llamacpp: policy is closed")
-        out: list[list[Generation | None]] = [[None] * r.params.n for r in requests]
-        if not requests:
-            return []
-        prompts = [self._prompt_ids(r) for r in requests]
-        seeds = [int(self._rng.integers(2**63)) if r.params.seed is None else r.params.seed
-                 for r in requests]
-        rows: list[tuple[int, int]] = []
-        # lexicographic order puts prompts that share prefixes in the same chunk
-        for ri in sorted(range(len(requests)), key=lambda i: prompts[i]):
-            p = requests[ri].params
-            for si in range(p.n):
-                if p.max_tokens <= 0:
-                    out[ri][si] = Generation("", [], [], len(prompts[ri]), 0, "length", False)
-                else:
-                    rows.append((ri, si))
-        for start in range(0, len(rows), self.max_batch):
-            chunk = rows[start:start + self.max_batch]
-            try:
-                gens = self._run_chunk(chunk, requests, prompts, seeds)
-            except BaseException:
-                self._reset_kv()  # the streams' contents are unknown now
-                raise
-            for (ri, si), g in zip(chunk, gens):
-                out[ri][si] = g
-        return out  # type: ignore[return-value]
+
+    def _new_seed(self) -> int:
+        return int(self._rng.integers(2**63))
+
+    def _context_len(self) -> int:
+        return self.n_ctx
+
+    def _order_key(self, prompt: list[int]) -> list[int]:
+        return prompt  # lexicographic order puts prompts that share prefixes in the same chunk
+
+    @contextlib.contextmanager
+    def _decoding(self) -> Any:
+        try:
+            yield
+        except BaseException:
+            self._reset_kv()  # the streams' contents are unknown now
+            raise
 
     def _reset_kv(self) -> None:
         self._ll.llama_memory_clear(self._mem, True)
@@ -312,9 +305,11 @@ class LlamaCppPolicy(Policy):
             seen.add(ri)
         return leader, plan, followers
 
-    def _run_chunk(self, chunk: list[tuple[int, int]], requests: list[GenRequest],
-                   prompts: list[list[int]], seeds: list[int]) -> list[Generation]:
-        ll, np = self._ll, self._np
+    def _prefill(self, chunk: list[tuple[int, int]], prompts: list[list[int]],
+                 rows: list[Row]) -> tuple[list[int], Any]:
+        """Evaluate the chunk's prompts, reusing and sharing KV streams; the decoding state is
+        the stream of each chunk row."""
+        ll = self._ll
         mem, kv = self._mem, self._kv
         leader, plan, followers = self._plan(chunk, prompts)
         # 1. copies first (they read the source streams as they are now), then truncations
@@ -363,7 +358,7 @@ class LlamaCppPolicy(Policy):
             ll.llama_memory_seq_cp(mem, leader[ri], s, -1, -1)
             kv[s] = list(prompts[ri])
 
-        # 5. decode all rows together
+        # 5. the stream each chunk row decodes in
         stream_of: list[int] = []
         taken: set[int] = set()
         fol = iter(followers)
@@ -373,27 +368,22 @@ class LlamaCppPolicy(Policy):
                 taken.add(ri)
             else:
                 stream_of.append(next(fol)[0])
-        params = [requests[ri].params for ri, _ in chunk]
-        rows = [Row(prompts[ri], p, min(p.max_tokens, self.n_ctx - len(prompts[ri])), self.tokenizer,
-                    f"{seeds[ri]}:{si}") for (ri, si), p in zip(chunk, params)]
-        live = list(range(len(chunk)))
-        logits = np.stack([first_logits[ri] for ri, _ in chunk])
-        while live:
-            tokens, lps = _sample(np, logits, [params[b] for b in live], [rows[b].rng for b in live])
-            still = []
-            for j, b in enumerate(live):
-                if not rows[b].push(int(tokens[j]), float(lps[j])):
-                    still.append((b, int(tokens[j])))
-            if not still:
-                break
-            for j, (b, t) in enumerate(still):
-                s = stream_of[b]
-                self._set(j, t, len(kv[s]), s, True)
-                kv[s].append(t)
-            self._decode(len(still))
-            logits = self._logits(range(len(still)))
-            live = [b for b, _ in still]
-        return [r.result for r in rows]  # type: ignore[misc]
+        return stream_of, self._np.stack([first_logits[ri] for ri, _ in chunk])
+
+    def _sample_rows(self, state: list[int], logits: Any,
+                     rows: list[Row]) -> tuple[list[int], list[float]]:
+        tokens, lps = _sample(self._np, logits, [r.params for r in rows], [r.rng for r in rows])
+        return tokens.tolist(), lps.tolist()
+
+    def _step(self, stream_of: list[int], tokens: list[int], active: list[int],
+              keep: list[int]) -> tuple[list[int], Any]:
+        kv = self._kv
+        for j, k in enumerate(keep):  # finished rows leave the batch at once
+            s = stream_of[active[k]]
+            self._set(j, tokens[k], len(kv[s]), s, True)
+            kv[s].append(tokens[k])
+        self._decode(len(keep))
+        return keep, self._logits(range(len(keep)))
 
     def _evaluate(self, tokens: list[tuple[int, int, int, Any]]) -> dict[Any, Any]:
         """Evaluate ``(stream, position, token, key)`` in batches of ``n_batch``; return the
