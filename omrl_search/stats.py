@@ -1,0 +1,69 @@
+"""Success rates with their uncertainty, and paired comparisons on the same tasks.
+
+A success rate is only worth printing with its task count and a 95% interval (Wilson's score
+interval: it behaves at 0 and at n, where the normal approximation does not), and two settings
+run on the same tasks are compared with a paired test: exact McNemar (a two-sided binomial
+test on the discordant tasks, i.e. those one setting solved and the other did not). The
+statistics themselves come from scipy; this module only names them and shapes their answers.
+See docs/design.md §8.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+from scipy.stats import binomtest
+
+#: the confidence level of every interval this project prints
+LEVEL = 0.95
+
+
+def wilson(successes: int, n: int, level: float = LEVEL) -> tuple[float, float]:
+    """Wilson score interval of ``successes`` out of ``n`` (``(0.0, 1.0)`` when ``n == 0``)."""
+    if n < 0 or not 0 <= successes <= max(n, 0):
+        raise ValueError(f"need 0 <= successes <= n, got {successes} of {n}")
+    if n == 0:
+        return 0.0, 1.0
+    ci = binomtest(successes, n).proportion_ci(confidence_level=level, method="wilson")
+    return float(ci.low), float(ci.high)
+
+
+def rate(successes: int, n: int, level: float = LEVEL) -> dict[str, float | int]:
+    """``{tasks, successes, success_rate, ci_low, ci_high}`` for a summary row."""
+    low, high = wilson(successes, n, level)
+    return {"tasks": n, "successes": successes,
+            "success_rate": round(successes / n, 4) if n else 0.0,
+            "ci_low": round(low, 4), "ci_high": round(high, 4)}
+
+
+def mcnemar(a: Mapping[str, bool], b: Mapping[str, bool]) -> dict[str, float | int]:
+    """Exact McNemar test of ``b`` against ``a`` on the tasks both ran (keyed by task id).
+
+    Returns the number of shared tasks, the discordant counts (``b_only``: solved by ``b``
+    alone; ``a_only``: by ``a`` alone), the difference in success rate ``b - a`` on the shared
+    tasks and the two-sided p-value (1.0 when no task is discordant)."""
+    shared = sorted(set(a) & set(b))
+    if not shared:
+        raise ValueError("the two runs share no task: a paired test needs the same tasks")
+    b_only = sum(1 for t in shared if b[t] and not a[t])
+    a_only = sum(1 for t in shared if a[t] and not b[t])
+    discordant = a_only + b_only
+    p = binomtest(b_only, discordant, 0.5).pvalue if discordant else 1.0
+    return {"tasks": len(shared), "b_only": b_only, "a_only": a_only,
+            "diff": round((b_only - a_only) / len(shared), 4), "p_value": round(float(p), 6)}
+
+
+def outcomes(results: Iterable) -> dict[str, bool]:
+    """``task_id -> success`` of a run's :class:`~omrl_search.result.SearchResult` s (or of
+    dicts with ``task``/``success`` as read back from results.jsonl)."""
+    out: dict[str, bool] = {}
+    for r in results:
+        task = r["task"] if isinstance(r, dict) else r.task
+        tid = task["task_id"] if isinstance(task, dict) else task.task_id
+        out[tid] = bool(r["success"] if isinstance(r, dict) else r.success)
+    return out
+
+
+def fmt_rate(row: Mapping[str, float | int]) -> str:
+    """``"7/20 = 0.35 [0.18, 0.57]"``: a rate as the tables print it."""
+    return (f"{row['successes']}/{row['tasks']} = {row['success_rate']:.2f} "
+            f"[{row['ci_low']:.2f}, {row['ci_high']:.2f}]")
