@@ -77,3 +77,24 @@ def test_strategy_and_budget_lists_parse():
     assert parse_budgets("env_steps=40,10") == ("env_steps", [10, 40])
     with pytest.raises(SpecError):
         parse_budgets("tokens")
+
+
+def test_bench_python_api_returns_the_summary_the_cli_writes(tmp_path, capsys):
+    from omrl_search.api import load_tasks
+    from omrl_search.bench import bench
+
+    tasks = load_tasks("game24", "test", 5)
+    got = bench(tasks, "react,best_of_n:n=2", "lm_calls=3,9", policy="scripted:oracle:p=0.3",
+                seed=1, progress=False)  # no out: nothing written
+    assert list(got["strategies"]) == ["react", "best_of_n"]
+    assert got["config"]["env"] == "game24" and got["config"]["split"] == "test"
+    assert got["config"]["policy"] == "scripted:oracle:p=0.3" and got["config"]["budgets"] == [3, 9]
+    out = tmp_path / "cli"
+    assert main(["bench", "--env", "game24", "--limit", "5", "--strategies", "react,best_of_n:n=2",
+                 "--budgets", "lm_calls=3,9", "--seed", "1", "--out", str(out), "--no-progress"]) == 0
+    written = json.loads((out / "summary.json").read_text())
+    drop = lambda s: {n: {b: {k: v for k, v in row.items() if k != "seconds"}  # noqa: E731
+                          for b, row in per.items()} for n, per in s["strategies"].items()}
+    assert drop(written) == drop(got) and written["config"] == got["config"]
+    with pytest.raises(SpecError, match="unknown strategy 'zigzag'"):
+        bench(tasks, ["react", "zigzag"], "tokens=100", policy="scripted:oracle", progress=False)
