@@ -49,8 +49,9 @@ def _entries() -> dict[str, dict[str, list[Any]]]:
         from importlib.metadata import entry_points
 
         found: dict[str, dict[str, list[Any]]] = {g: {} for g in GROUPS}
+        every = entry_points()  # one scan of the installed distributions for all groups
         for group in GROUPS:
-            for ep in entry_points(group=group):
+            for ep in every.select(group=group):
                 same = found[group].setdefault(ep.name, [])
                 if all(other.value != ep.value for other in same):  # one dist seen twice: once
                     same.append(ep)
