@@ -1,4 +1,5 @@
-"""Parsing of the small ``NAME[:key=value,...]`` specs used by the CLI and the API."""
+"""Parsing of the small ``NAME[:key=value,...]`` specs used by the CLI and the API, and the
+one-line errors bad input raises."""
 from __future__ import annotations
 
 from typing import Any

@@ -52,3 +52,24 @@ def test_bad_task_file_reports_file_and_line(tmp_path, capsys):
                "--no-progress"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and f"{f}:2: " in err and not (tmp_path / "o").exists()
+
+
+def test_commands_share_their_options_and_unknown_ones_list_every_command(capsys):
+    from omrl_search.types import DEFAULT_MAX_TOKENS
+
+    for command in ("search", "bench"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = capsys.readouterr().out
+        assert f"default {DEFAULT_MAX_TOKENS}" in text and "--ray-address" in text and "--env" in text
+    with pytest.raises(SystemExit) as exc:
+        main(["serch", "--env", "game24"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "invalid choice: 'serch'" in err
+    assert all(name in err for name in ("search", "bench", "train", "loop", "envs"))
+
+
+def test_env_server_with_an_unknown_scheme_is_one_line(capsys):
+    assert main(["search", "--env", "game24", "--env-server", "localhost:8000", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "bad env server 'localhost:8000'" in err and "http://" in err
