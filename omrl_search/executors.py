@@ -119,7 +119,8 @@ class Executor:
                                  progress=progress, on_result=on_result,
                                  policy_weights=policy_weights, budget=budget, **search_kwargs)
         if policy_weights is not None:
-            raise PolicyError("policy_weights need executor=ray (in process, load them into the policy object)")
+            raise PolicyError("policy_weights need executor=ray "
+                              "(in process, load them into the policy object)")
         return search_here(tasks, strategy=strategy, policy=policy, reward_model=reward_model,
                            budget=budget, progress=progress, on_result=on_result, **search_kwargs)
 

@@ -7,20 +7,17 @@ what users type::
     [project.entry-points."omrl_search.envs"]
     toy = "my_pkg.toy:ToyEnv"
 
-=========================== ================================================ ===================
-group                       the entry point's value                          chosen by
-=========================== ================================================ ===================
-``omrl_search.envs``        an :class:`~omrl_search.env.Env` subclass        ``--env NAME``
-``omrl_search.strategies``  a :class:`~omrl_search.strategy.Strategy`        ``--strategy NAME:..``
-                            dataclass
-``omrl_search.reward_models`` a factory ``f(arg: str) -> RewardModel``       ``--reward-model NAME:ARG``
-``omrl_search.policies``    a factory ``f(arg: str) -> Policy``              ``--policy NAME:ARG``
-``omrl_search.commands``    a module with ``configure(parser)`` and          ``omrl NAME ...``
-                            ``run(args) -> int`` (docstring line 1: help)
-``omrl_search.env_servers`` a factory ``f(url: str, env: str | None)`` ->    ``--env-server SCHEME://..``
-                            an ``env_factory`` (``factory(env_name) -> Env``, (NAME is the scheme's
-                            optionally ``.max_envs``)                        part before ``+``)
-=========================== ================================================ ===================
+* ``omrl_search.envs``: an :class:`~omrl_search.env.Env` subclass (``--env NAME``);
+* ``omrl_search.strategies``: a :class:`~omrl_search.strategy.Strategy` dataclass
+  (``--strategy NAME:key=value``);
+* ``omrl_search.reward_models``: a factory ``f(arg: str) -> RewardModel`` (``--reward-model NAME:ARG``);
+* ``omrl_search.policies``: a factory ``f(arg: str) -> Policy`` (``--policy NAME:ARG``);
+* ``omrl_search.commands``: a module with ``configure(parser)`` and ``run(args) -> int``, its
+  docstring's first line the help (``omrl NAME ...``);
+* ``omrl_search.env_servers``: a factory ``f(url: str, env: str | None)`` giving an
+  ``env_factory`` (``env_factory(env_name) -> Env``, optionally with ``max_envs``) for
+  ``--env-server SCHEME://...``; NAME is the URL scheme's part before ``+`` (``http``,
+  ``agentgym`` for ``agentgym+http://...``).
 
 Discovery reads the installed distributions' metadata once (no plugin is imported by it); an
 entry is loaded, i.e. its module imported, the first time its name is asked for, and kept. A
@@ -153,7 +150,7 @@ def is_subclass(base: type) -> Callable[[Any], bool]:
 
 #: CLI commands (``omrl NAME``)
 COMMANDS = Registry("omrl_search.commands", "a command module with configure(parser) and run(args)",
-                    lambda obj: callable(getattr(obj, "configure", None)) and callable(getattr(obj, "run", None)))
+                    lambda obj: all(callable(getattr(obj, f, None)) for f in ("configure", "run")))
 
 
 def command_help(module: Any) -> str:
