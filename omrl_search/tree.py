@@ -7,13 +7,14 @@ merge edges Graph-of-Thoughts adds (making it a DAG).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import networkx as nx
 
 from .types import Segment, Snapshot, Step, Task
 
 OPEN, EXPANDED, TERMINAL, FAILED, PRUNED = "open", "expanded", "terminal", "failed", "pruned"
+DUPLICATE = "duplicate state"  # the error of a node pruned because its state was seen before
 
 
 @dataclass(slots=True, eq=False)
@@ -105,6 +106,34 @@ class SearchTree:
 
     def __len__(self) -> int:
         return len(self.nodes)
+
+
+def unique_states(nodes: Iterable[Node], seen: set[str] | None = None, *,
+                  keep_failed: bool = False) -> list[Node]:
+    """``nodes`` without repeated states, in order: a node whose state key is in ``seen`` (or
+    was met earlier in ``nodes``) is marked pruned (:data:`DUPLICATE`) and left out, so one
+    state is expanded and scored once. Failed nodes have no state: left out, or kept with
+    ``keep_failed``; nodes already pruned are left out. ``seen`` is updated in place.
+
+    The one dedup rule of the engine (``expand(dedup=True)``, ``apply``: against a node's
+    existing children) and of the strategies' frontiers."""
+    if seen is None:
+        seen = set()
+    out = []
+    for n in nodes:
+        status = n.status
+        if status == FAILED:
+            if keep_failed:
+                out.append(n)
+            continue
+        if status == PRUNED:
+            continue
+        if n.state_key in seen:
+            n.status, n.error = PRUNED, DUPLICATE
+            continue
+        seen.add(n.state_key)
+        out.append(n)
+    return out
 
 
 @dataclass(slots=True)

@@ -19,8 +19,9 @@ from typing import Any
 
 from omrl_search.reward import AGGREGATIONS
 from omrl_search.strategy import Strategy, register_strategy
+from omrl_search.tree import unique_states
 
-from .values import best_answer, check_value, keep_best, make_value, unique_states
+from .values import best_answer, check_value, keep_best, make_value
 
 
 @register_strategy("beam")

@@ -24,8 +24,9 @@ from typing import Any
 
 from omrl_search.reward import AGGREGATIONS
 from omrl_search.strategy import Strategy, register_strategy
+from omrl_search.tree import unique_states
 
-from .values import best_answer, check_value, keep_best, make_value, remember, unique_states
+from .values import best_answer, check_value, keep_best, make_value, remember
 
 GRAPHS = {
     "game24": "generate:3>score>keep_best:3>aggregate:3>score>keep_best:2",

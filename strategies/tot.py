@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from omrl_search.strategy import Strategy, register_strategy
-from omrl_search.tree import PRUNED
+from omrl_search.tree import PRUNED, unique_states
 
-from .values import best_answer, check_value, history, keep_best, make_value, remember, unique_states
+from .values import best_answer, check_value, history, keep_best, make_value, remember
 
 PROPOSE_PROMPT = (
     "Task: {task}\n\nSteps so far:\n{history}\n\nCurrent state:\n{state}\n\n"

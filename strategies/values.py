@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from itertools import chain
 from operator import attrgetter
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 from omrl_search.reward import AGGREGATIONS, aggregate
 from omrl_search.tree import FAILED, PRUNED, Node
@@ -223,21 +223,6 @@ def check_value(spec: Any, allowed: Sequence[str] = SOURCES) -> None:
 
 
 # --- frontier helpers --------------------------------------------------------------------------
-def unique_states(nodes: Iterable[Node]) -> list[Node]:
-    """Drop failed nodes and later nodes whose state repeats an earlier one (marked pruned),
-    so duplicate candidates are scored once."""
-    seen, out = set(), []
-    for n in nodes:
-        if n.status == FAILED or n.status == PRUNED:
-            continue
-        if n.state_key in seen:
-            n.status, n.error = PRUNED, "duplicate state"
-            continue
-        seen.add(n.state_key)
-        out.append(n)
-    return out
-
-
 def remember(ctx, nodes: Sequence[Node], values: Sequence[float]) -> None:
     """Record the strategy's values of nodes (read by :func:`best_answer`)."""
     ctx.scratch.setdefault("values", {}).update((n.id, v) for n, v in zip(nodes, values))
