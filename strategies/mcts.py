@@ -29,6 +29,7 @@ from typing import Any
 
 from omrl_search.strategy import Strategy, register_strategy
 from omrl_search.tree import FAILED, PRUNED
+from omrl_search.types import DEFAULT_MAX_TOKENS
 
 from .values import Mix, RMValue, RolloutValue, check_value, history, make_value, step_logprob
 
@@ -209,7 +210,7 @@ class MCTS(Strategy):
         if ctx.can_ask:
             prompt = REFLECT_PROMPT.format(task=ctx.task.instruction, history=history(ctx, end),
                                            state=end.observation)
-            (texts,) = await ctx.ask([end], [prompt], max_tokens=96)
+            (texts,) = await ctx.ask([end], [prompt], max_tokens=DEFAULT_MAX_TOKENS)
             text = " ".join((texts[0] if texts else "").split())
         else:  # a policy that only picks actions: record the failed attempt itself
             text = f"the steps {history(ctx, end).replace(chr(10), ' ')} ended with: " \
