@@ -1,4 +1,4 @@
-"""The compute budget charged at every call (DESIGN §4).
+"""The compute budget charged at every call (see docs/design.md §4).
 
 Kinds: ``prompt_tokens``, ``completion_tokens``, ``tokens`` (both together), ``lm_calls`` (one per
 request sent to the policy, whatever its ``n``), ``rm_calls`` (one per prefix scored),
@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
 
 from .specs import SpecError, parse_kv
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .types import Generation
 
 KINDS = ("tokens", "prompt_tokens", "completion_tokens", "lm_calls", "rm_calls", "env_steps", "seconds")
 
@@ -94,6 +98,16 @@ class Budget:
         s.lm_calls += lm_calls
         s.rm_calls += rm_calls
         s.env_steps += env_steps
+
+    def charge_lm(self, gens: "Sequence[Generation]" = ()) -> None:
+        """One request answered by the policy (or failed: no ``gens``): one LM call, its prompt
+        once (the ``n`` samples share it) and every sample's completion tokens. The engine
+        charges every request, expansion or ask, through this one place."""
+        if gens:
+            self.charge(lm_calls=1, prompt_tokens=gens[0].prompt_tokens,
+                        completion_tokens=sum(g.completion_tokens for g in gens))
+        else:
+            self.charge(lm_calls=1)
 
     def stop_clock(self) -> None:
         self.spent.seconds = time.perf_counter() - self._start
