@@ -1,5 +1,9 @@
 """Agent formats: how a node's history becomes a prompt and a completion becomes an action.
 
+A format renders turns (:meth:`ReActFormat.first_messages`, :meth:`ReActFormat.observation_message`),
+parses completions (:meth:`ReActFormat.parse`) and builds one search's prompts
+(:meth:`ReActFormat.prompts`, a :class:`~omrl_search.prompts.Prompts`); the engine only asks it.
+
 The default is ReAct in the OpenManus-RL dataset format: the model answers ``Think: ...`` then
 ``Act: <action>``. A malformed completion is never an exception: :meth:`ReActFormat.parse` returns
 an error text that becomes the invalid-action observation.
@@ -11,10 +15,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from .policy import ChatTokenizer
+from .prompts import Prompts
 from .types import Task
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .tree import SearchTree
 
 _ACT = re.compile(r"^\s*\**\s*(?:act|action)\s*\**\s*:\s*\**\s*", re.IGNORECASE | re.MULTILINE)
 _THINK = re.compile(r"^\s*\**\s*(?:think|thought)\s*\**\s*:\s*\**\s*", re.IGNORECASE | re.MULTILINE)
@@ -40,6 +48,11 @@ class ReActFormat:
             "In every turn, write one line 'Think: <your reasoning>' and then one line "
             "'Act: <one action>'. The environment answers each action with an observation."
         )
+
+    def prompts(self, env: Any, task: Task, tree: "SearchTree",
+                encoder: "TurnEncoder | None") -> Prompts:
+        """What the policy is shown in one search (messages and, with ``encoder``, token ids)."""
+        return Prompts(self, encoder, env, task, tree)
 
     def first_messages(self, env: object, task: Task, observation: str,
                        note: str = "") -> list[dict[str, str]]:
