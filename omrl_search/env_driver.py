@@ -1,0 +1,103 @@
+"""One search's env behind one small object: restore, step, snapshot, heuristic, faults.
+
+Every env step happens after ``restore`` of the parent's snapshot, skipped when the env is known
+to hold that state already (``at``: the node whose state the live env holds; unknown after an
+error). An exception in the env marks that node failed and is counted as a fault; the search
+goes on. A step's result ends its branch when the env says ``terminated`` (solved or lost: the
+node's ``success`` is the env's) or ``truncated`` (cut short: never a success), or when the node
+reaches the search's depth limit (see docs/design.md §4).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from .tree import FAILED, TERMINAL, Node, SearchTree
+from .types import Step, Task
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .budget import Budget
+    from .env import Env
+
+
+class EnvDriver:
+    """The env of one search, stepping and restoring it for the tree's nodes."""
+
+    __slots__ = ("env", "tree", "budget", "faults", "max_depth", "at")
+
+    def __init__(self, env: "Env", tree: SearchTree, budget: "Budget", faults: list[str],
+                 max_depth: int):
+        self.env, self.tree, self.budget, self.faults = env, tree, budget, faults
+        self.max_depth = max_depth
+        self.at: int | None = 0  # the node whose state the live env holds (None: unknown)
+
+    @staticmethod
+    def open(env_factory: Callable[[str], "Env"], task: Task) -> tuple["Env", str, Any]:
+        """A new env reset to ``task``: the env, its first observation and snapshot (raises
+        what the env raised; the engine turns it into a failed search)."""
+        env = env_factory(task.env)
+        obs = env.reset(task)
+        return env, obs, env.snapshot()
+
+    def _restore(self, node: Node) -> None:
+        if self.at != node.id:
+            self.at = None
+            self.env.restore(node.snapshot)
+            self.at = node.id
+
+    def step(self, node: Node, step: Step) -> Node:
+        """``node``'s child by ``step.action``, stepped in the env from ``node``'s state."""
+        env, tree = self.env, self.tree
+        try:
+            self._restore(node)
+            res = env.step(step.action)
+            self.budget.charge(env_steps=1)
+            snap = env.snapshot()
+        except Exception as exc:
+            self.at = None
+            err = f"{type(exc).__name__}: {exc}"
+            self.faults.append(f"env: {err}")
+            step.observation = f"Environment error: {err}"
+            child = tree.add_child(node, step, None, "")
+            child.status, child.error = FAILED, err
+            return child
+        step.observation, step.reward, step.done, step.info = (
+            res.observation, res.reward, res.done, res.info)
+        step.valid, step.success = res.valid, res.success
+        child = tree.add_child(node, step, snap, snap.state_key)
+        self.at = child.id
+        if res.terminated:
+            child.terminal, child.status = True, TERMINAL
+            child.success = res.success
+            return child
+        if res.truncated:
+            child.terminal, child.status, child.error = True, TERMINAL, "truncated"
+            return child
+        return self.depth_limit(child)
+
+    def invalid(self, node: Node, step: Step, error: str) -> Node:
+        """A child for a malformed step: it never reaches the env and keeps ``node``'s state;
+        ``error`` is its observation."""
+        step.observation, step.valid = error, False
+        return self.depth_limit(self.tree.add_child(node, step, node.snapshot, node.state_key))
+
+    def depth_limit(self, child: Node) -> Node:
+        """End ``child``'s branch if it reached the depth limit."""
+        if child.depth >= self.max_depth:
+            child.terminal, child.status, child.error = True, TERMINAL, "max depth"
+        return child
+
+    def heuristic(self, nodes: list[Node]) -> list[float]:
+        """``env.heuristic()`` at each node's state (restored first); a crash scores 0."""
+        out = []
+        for node in nodes:
+            try:
+                self._restore(node)
+                out.append(float(self.env.heuristic()))
+            except Exception as exc:
+                self.at = None
+                self.faults.append(f"env heuristic: {type(exc).__name__}: {exc}")
+                out.append(0.0)
+        return out
+
+    def close(self) -> None:
+        self.env.close()
