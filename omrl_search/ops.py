@@ -1,16 +1,18 @@
-"""What a strategy sees of one search: :class:`SearchContext` and its batched primitives.
+"""What a strategy sees of one search: :class:`SearchContext`, its batched primitives, and the
+typed records (:class:`ExpandOp`, :class:`AskOp`, :class:`EvaluateOp`) they hand the engine.
 
 The primitives that need the LM or the reward model (``expand``, ``ask``, ``evaluate``) do not
-call anything themselves: they yield an :class:`Op` to the engine's driver, which serves every
+call anything themselves: they yield an op record to the engine's driver, which serves every
 tree's pending ops of a round together (one policy call for all expansions *and* asks, one
 reward-model call for all evaluations) and resumes the strategies. ``apply`` and ``heuristic``
 touch only the env and run at once. Every primitive checks the budget *before* its batch and
 raises :class:`~omrl_search.budget.BudgetExhausted` when it is spent, so a search overshoots a
-limit by at most one batch.
+limit by at most one batch (see docs/design.md §4).
 """
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 from .tree import FAILED, Node, SearchTree
@@ -19,41 +21,77 @@ from .types import Task
 if TYPE_CHECKING:  # pragma: no cover
     from .budget import Budget
     from .engine import Engine
-    from .env import Env
+    from .env_driver import EnvDriver
+    from .prompts import Prompts
 
 
 class Op:
-    """An operation a strategy waits on; the driver fills in the result."""
+    """An operation a strategy waits on: ``await op`` yields it to the engine's driver, which
+    sends back the result."""
 
-    __slots__ = ("kind", "ctx", "args")
-
-    def __init__(self, kind: str, ctx: "SearchContext", args: tuple):
-        self.kind, self.ctx, self.args = kind, ctx, args
+    __slots__ = ()
+    ctx: "SearchContext"
 
     def __await__(self):
         return (yield self)
+
+
+@dataclass(slots=True)
+class ExpandOp(Op):
+    """Sample ``k`` agent steps at each of ``nodes`` and step the env: children per node."""
+
+    ctx: "SearchContext"
+    nodes: list[Node]
+    k: int
+    temperature: float | None
+    dedup: bool
+    notes: Sequence[str] | None
+
+
+@dataclass(slots=True)
+class AskOp(Op):
+    """Free-form prompts about ``nodes``: ``n`` texts per prompt."""
+
+    ctx: "SearchContext"
+    nodes: list[Node]
+    prompts: list[Any]
+    n: int
+    temperature: float | None
+    max_tokens: int | None
+    stop: tuple[str, ...]
+
+
+@dataclass(slots=True)
+class EvaluateOp(Op):
+    """Reward-model values of the paths ending at ``nodes``."""
+
+    ctx: "SearchContext"
+    nodes: list[Node]
+    aggregation: str | None
 
 
 class SearchContext:
     """One search: its task, tree, budget, RNG, per-search ``scratch`` and the primitives.
 
     ``scratch`` is a free dict for the strategy's per-search state (one strategy instance
-    serves many searches, so such state never lives on the strategy).
+    serves many searches, so such state never lives on the strategy). ``envs`` steps the
+    search's env (:class:`~omrl_search.env_driver.EnvDriver`), ``prompts`` builds what the
+    policy is shown (:class:`~omrl_search.prompts.Prompts`); strategies use the primitives.
     """
 
-    def __init__(self, engine: "Engine", task: Task, env: "Env", tree: SearchTree,
-                 budget: "Budget", seed: int, max_depth: int):
-        self.engine, self.task, self.env, self.tree, self.budget = engine, task, env, tree, budget
+    def __init__(self, engine: "Engine", task: Task, tree: SearchTree, budget: "Budget", seed: int,
+                 envs: "EnvDriver", prompts: "Prompts"):
+        self.engine, self.task, self.tree, self.budget = engine, task, tree, budget
+        self.envs, self.prompts = envs, prompts
+        self.env = envs.env
         self.rng = random.Random(seed)
         self.seed = seed
-        self.max_depth = max_depth
-        self.faults: list[str] = []
-        self.env_at: int | None = 0  # node whose state the live env holds
-        self.calls = 0
+        self.max_depth = envs.max_depth
+        self.faults: list[str] = envs.faults
+        self.calls = 0  # LM requests made so far (part of each request's seed)
         self.has_reward_model = engine.reward_model is not None
         self.scratch: dict[str, Any] = {}
         self.verifier_used = False  # set when the env's success check was consulted
-        self._messages: dict[int, list[dict[str, str]]] = {}  # engine's prompt cache
 
     # --- batched LM / reward-model primitives ------------------------------------------------
     async def expand(self, nodes: Sequence[Node], k: int = 1, *, temperature: float | None = None,
@@ -62,12 +100,12 @@ class SearchContext:
 
         ``notes`` adds text to each node's prompt (e.g. DFSDT's previously tried siblings).
         With ``dedup`` a child whose state key equals an existing sibling's is kept in the tree
-        as pruned and not returned.
+        as pruned and not returned (:func:`~omrl_search.tree.unique_states`).
         """
         self.budget.check()
         if not nodes:
             return []
-        return await Op("expand", self, (list(nodes), k, temperature, dedup, notes))
+        return await ExpandOp(self, list(nodes), k, temperature, dedup, notes)
 
     async def ask(self, nodes: Sequence[Node], prompts: Sequence[Any], *, n: int = 1,
                   temperature: float | None = None, max_tokens: int | None = None,
@@ -83,8 +121,7 @@ class SearchContext:
         self.budget.check()
         if not nodes:
             return []
-        return await Op("ask", self, (list(nodes), list(prompts), n, temperature, max_tokens,
-                                      tuple(stop)))
+        return await AskOp(self, list(nodes), list(prompts), n, temperature, max_tokens, tuple(stop))
 
     async def evaluate(self, nodes: Sequence[Node], *, aggregation: str | None = None) -> list[float]:
         """Reward-model values of the paths ending at ``nodes`` (stored in ``node.score``);
@@ -97,7 +134,7 @@ class SearchContext:
         self.budget.check(("rm_calls", "seconds"))
         if not nodes:
             return []
-        return await Op("evaluate", self, (list(nodes), aggregation))
+        return await EvaluateOp(self, list(nodes), aggregation)
 
     async def rollout(self, nodes: Sequence[Node], *, temperature: float | None = None) -> list[Node]:
         """Extend each node one sampled step at a time until terminal; return the leaves."""
@@ -128,7 +165,7 @@ class SearchContext:
 
     def heuristic(self, nodes: Sequence[Node]) -> list[float]:
         """The env's own ``heuristic()`` of each node's state (envs that offer one)."""
-        return self.engine.heuristic(self, list(nodes))
+        return self.envs.heuristic(list(nodes))
 
     def verify(self, node: Node) -> bool:
         """The env's success check of a node. Consulting it marks the result
