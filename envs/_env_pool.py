@@ -1,15 +1,24 @@
-"""The live envs of an env server: ids, a lock per env, a cap with idle expiry, stored snapshots.
+"""The live envs of an env server: ids, a lock per env, a cap with idle expiry, stored snapshots,
+task validation and a time limit on every call into an env.
 
 Pure Python (no HTTP), so :mod:`envs.server` stays a thin FastAPI layer over it. Errors are
 :class:`ApiError` with the HTTP status they should be answered with.
+
+Env work runs on the pool's worker threads and each request waits for it at most
+``call_timeout`` seconds. Past that the request is answered 504 and the env is discarded (its id
+answers 410); Python cannot stop a thread, so the call runs on to its end, the env is closed
+then, and until then it still counts against ``max_envs``.
 """
 from __future__ import annotations
 
 import itertools
 import json
+import secrets
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -19,6 +28,7 @@ from omrl_search.types import Snapshot, Task
 
 PROTOCOL = "omrl-env/1"  # what /info answers, so clients can tell this server from AgentGym's
 _ENDED_KEPT = 10_000  # closed/expired ids remembered, to answer 410 instead of 404
+_SHOWN = 300  # characters of an env's error message shown (a rejected task may quote megabytes)
 
 
 class ApiError(Exception):
@@ -31,10 +41,15 @@ class ApiError(Exception):
 
 @dataclass(slots=True)
 class Slot:
-    """A live env and what the server tracks about its episode."""
+    """A live env and what the server tracks about its episode.
+
+    ``family``: the id of the env this one was created as or forked from (its own id unless
+    forked); snapshots are shared within a family and invisible outside it.
+    """
 
     env: Env | None
     last_used: float
+    family: int
     lock: threading.Lock = field(default_factory=threading.Lock)
     task: Task | None = None
     score: float = 0.0
@@ -47,6 +62,7 @@ class Stored:
     """A snapshot kept on the server, with the episode facts that go with it."""
 
     owner: int
+    family: int
     snapshot: Snapshot
     task: Task | None
     score: float
@@ -57,46 +73,91 @@ class EnvPool:
     """The live instances of one registered env, by integer id.
 
     The pool lock guards the tables (ids, snapshots); each env's own lock serialises calls into
-    that env. At most ``max_envs`` live at once; one unused for ``idle_timeout`` seconds is closed
-    (checked when it is next used, and on every ``create`` and ``health``).
+    that env. At most ``max_envs`` live at once (envs discarded with a call still running
+    count); one unused for ``idle_timeout`` seconds is closed (checked when it is next used, and
+    on every ``create`` and ``health``). Each request's env work gets ``call_timeout`` seconds.
+    ``trust_tasks``: accept full task dicts for an env that has no ``task_from_dict`` to check
+    them (otherwise such an env resets by ``data_idx`` only).
     """
 
     def __init__(self, env: str, *, max_envs: int = 64, idle_timeout: float = 600.0,
-                 max_snapshots: int = 20_000, clock: Callable[[], float] = time.monotonic):
+                 max_snapshots: int = 20_000, call_timeout: float = 60.0, trust_tasks: bool = False,
+                 clock: Callable[[], float] = time.monotonic):
         self.name, self.cls = env, env_class(env)
         self.max_envs, self.idle_timeout, self.max_snapshots = max_envs, idle_timeout, max_snapshots
-        self.clock = clock
+        self.call_timeout, self.trust_tasks, self.clock = call_timeout, trust_tasks, clock
         self._lock = threading.Lock()
         self._slots: dict[int, Slot] = {}
         self._ended: OrderedDict[int, str] = OrderedDict()
         self._snaps: OrderedDict[str, Stored] = OrderedDict()
-        self._ids, self._snap_ids = itertools.count(), itertools.count()
+        self._ids = itertools.count()
         self._tasks: dict[str, list[Task]] = {}
+        self._running_late = 0  # calls past their time limit, still running
+        self._work = ThreadPoolExecutor(2 * max_envs + 4, thread_name_prefix=f"omrl-env-{env}")
+
+    # --- env work under a time limit -----------------------------------------------------------
+    def _deadline(self) -> float:
+        return time.monotonic() + self.call_timeout
+
+    def _timed(self, what: str, deadline: float, fn: Callable[[], Any], *, idx: int | None = None,
+               slot: Slot | None = None, task: Task | None = None) -> Any:
+        """``fn()`` on a worker thread, waited for until ``deadline``: env errors become
+        ApiErrors (:func:`_env_call`); past the deadline a 504, and env ``idx`` is discarded."""
+        try:
+            future = self._work.submit(_env_call, what, fn, task)
+        except RuntimeError:  # the pool was shut down
+            raise ApiError(503, "the server is shutting down") from None
+        try:
+            return future.result(max(deadline - time.monotonic(), 0.0))
+        except FutureTimeout:
+            pass
+        env = self._discard(idx, slot, f"discarded: its {what} ran past the {self.call_timeout:g} s "
+                                       "time limit") if slot is not None else None
+        with self._lock:
+            self._running_late += 1
+        future.add_done_callback(lambda f: self._late_call_ended(f, what, env))
+        tail = f"; env {idx} was discarded" if slot is not None else ""
+        raise ApiError(504, f"env {what} ran past the server's time limit of {self.call_timeout:g} s "
+                            f"per request (--call-timeout){tail}")
+
+    def _late_call_ended(self, future, what: str, env: Env | None) -> None:
+        if what == "start" and not future.cancelled() and future.exception() is None:
+            env = future.result()  # made too late: nobody holds it
+        if env is not None:
+            _quiet_close(env)
+        with self._lock:
+            self._running_late -= 1
 
     # --- lifecycle ---------------------------------------------------------------------------
-    def create(self) -> int:
+    def create(self, family: int | None = None, deadline: float | None = None) -> int:
+        deadline = deadline or self._deadline()
         self._expire_idle()
-        self._check_cap()
-        env = _env_call("start", make_env, self.name)  # unlocked: some envs take seconds to start
         with self._lock:
-            if len(self._slots) >= self.max_envs:
-                env.close()
+            self._check_cap()
+        env = self._timed("start", deadline, lambda: make_env(self.name))  # unlocked: can take s
+        with self._lock:
+            if len(self._slots) + self._running_late >= self.max_envs:
+                self._close_later(env)
                 self._check_cap()
             idx = next(self._ids)
-            self._slots[idx] = Slot(env, self.clock())
+            self._slots[idx] = Slot(env, self.clock(), idx if family is None else family)
         return idx
 
     def _check_cap(self) -> None:
-        if len(self._slots) >= self.max_envs:
-            raise ApiError(503, f"env cap reached: {self.max_envs} live envs; close some (POST /close) "
-                                f"or restart the server with a larger --max-envs")
+        """503 when the cap is reached (caller holds the pool lock)."""
+        if len(self._slots) + self._running_late >= self.max_envs:
+            late = (f", {self._running_late} of them discarded with a call past the time limit "
+                    "still running") if self._running_late else ""
+            raise ApiError(503, f"env cap reached: {self.max_envs} live envs{late}; close some "
+                                "(POST /close) or restart the server with a larger --max-envs")
 
-    def close(self, idx: int, why: str = "closed") -> None:
-        with self.use(idx) as slot:
-            self._end(idx, slot, why)
+    def close(self, idx: int) -> None:
+        with self.use(idx, self._deadline()) as slot:
+            self._close_later(self._discard(idx, slot, "closed"))
 
-    def _end(self, idx: int, slot: Slot, why: str) -> None:
-        """Forget env ``idx`` and its snapshots, then close it (caller holds its lock or it is idle)."""
+    def _discard(self, idx: int, slot: Slot, why: str) -> Env | None:
+        """Forget env ``idx`` and its snapshots; the env, for the caller to close (caller holds
+        its lock, or it is idle)."""
         with self._lock:
             self._slots.pop(idx, None)
             self._ended[idx] = why
@@ -105,10 +166,15 @@ class EnvPool:
             for sid in slot.snaps:
                 self._snaps.pop(sid, None)
         env, slot.env = slot.env, None
-        try:
-            env.close()
-        except Exception:  # a failing close must not take the server down
-            pass
+        return env
+
+    def _close_later(self, env: Env | None) -> None:
+        """Close ``env`` on a worker thread (a slow close must not hold up the request)."""
+        if env is not None:
+            try:
+                self._work.submit(_quiet_close, env)
+            except RuntimeError:  # shutting down
+                _quiet_close(env)
 
     def _expire_idle(self) -> None:
         with self._lock:
@@ -117,24 +183,34 @@ class EnvPool:
             if self._idle(slot) and slot.lock.acquire(blocking=False):  # a locked env is in use
                 try:
                     if slot.env is not None and self._idle(slot):
-                        self._end(idx, slot, f"expired after {self.idle_timeout:g} s idle")
+                        self._close_later(self._discard(idx, slot, self._expired()))
                 finally:
                     slot.lock.release()
 
     def _idle(self, slot: Slot) -> bool:
         return self.clock() - slot.last_used > self.idle_timeout
 
+    def _expired(self) -> str:
+        return f"expired after {self.idle_timeout:g} s idle"
+
     def close_all(self) -> None:
+        """Close every env (at shutdown); calls still running past their limit are not waited for."""
         with self._lock:
             slots = list(self._slots.items())
         for idx, slot in slots:
-            with slot.lock:
-                if slot.env is not None:
-                    self._end(idx, slot, "closed: the server shut down")
+            if slot.lock.acquire(timeout=self.call_timeout):
+                try:
+                    if slot.env is not None:
+                        _quiet_close(self._discard(idx, slot, "closed: the server shut down"))
+                finally:
+                    slot.lock.release()
+        self._work.shutdown(wait=False, cancel_futures=True)
 
     @contextmanager
-    def use(self, idx: int) -> Iterator[Slot]:
-        """Env ``idx`` locked for the caller: 404 if it never existed, 410 if it is gone."""
+    def use(self, idx: int, deadline: float | None = None) -> Iterator[Slot]:
+        """Env ``idx`` locked for the caller: 404 if it never existed, 410 if it is gone, 503 if
+        another request keeps it busy past ``deadline`` (default: one call timeout from now)."""
+        deadline = deadline or self._deadline()
         with self._lock:
             slot = self._slots.get(idx)
             if slot is None:
@@ -142,16 +218,20 @@ class EnvPool:
                 if why is None:
                     raise ApiError(404, f"env {idx} not found: create one with POST /create")
                 raise ApiError(410, f"env {idx} was {why}")
-        with slot.lock:
+        if not slot.lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+            raise ApiError(503, f"env {idx} is busy with another request; try again")
+        try:
             if slot.env is None:  # closed while this request waited for the lock
                 raise ApiError(410, f"env {idx} was {self._ended.get(idx, 'closed')}")
             if self._idle(slot):
-                self._end(idx, slot, f"expired after {self.idle_timeout:g} s idle")
-                raise ApiError(410, f"env {idx} was expired after {self.idle_timeout:g} s idle")
+                self._close_later(self._discard(idx, slot, self._expired()))
+                raise ApiError(410, f"env {idx} was {self._expired()}")
             try:
                 yield slot
             finally:
                 slot.last_used = self.clock()
+        finally:
+            slot.lock.release()
 
     # --- episodes ----------------------------------------------------------------------------
     def task_at(self, data_idx: int, split: str) -> Task:
@@ -163,60 +243,103 @@ class EnvPool:
                 raise ApiError(422, f"env {self.name!r} has no built-in task set: reset with a full "
                                     f"task dict (\"task\")") from None
             except ValueError as exc:
-                raise ApiError(422, str(exc)) from None
+                raise ApiError(422, _cut(str(exc))) from None
         if not 0 <= data_idx < len(tasks):
             raise ApiError(422, f"data_idx {data_idx} out of range: split {split!r} of {self.name} "
                                 f"has {len(tasks)} tasks (0..{len(tasks) - 1})")
         return tasks[data_idx]
 
-    def reset(self, idx: int, task: Task, snapshot: bool = False) -> dict[str, Any]:
-        with self.use(idx) as slot:
+    def validate_task(self, body: dict[str, Any], deadline: float) -> Task:
+        """A client's task dict (the fields of :class:`~omrl_search.types.Task`) checked by the
+        env's own ``task_from_dict``: its ``data`` with ``task_id``, ``split`` and
+        ``instruction`` is the row the env validates, and the task it returns is the one used."""
+        if body.get("env") not in (None, self.name):
+            raise ApiError(422, f"task.env: the task is for env {body['env']!r}, this server "
+                                f"serves {self.name!r}")
+        row = {**body.get("data", {}), "task_id": body["task_id"], "split": body["split"]}
+        if body.get("instruction"):
+            row["instruction"] = body["instruction"]
+        check = getattr(self.cls, "task_from_dict", None)
+
+        def parse() -> Task:
             try:
-                obs = slot.env.reset(task)
-            except EnvError as exc:
-                raise ApiError(409, f"reset failed: {exc}") from None
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ApiError(422, f"task {task.task_id!r} rejected by env {self.name}: "
-                                    f"{type(exc).__name__}: {exc}") from None
-            except Exception as exc:
-                raise ApiError(500, f"env reset raised {type(exc).__name__}: {exc}") from None
-            slot.task, slot.score, slot.done = task, 0.0, False
+                task = check(row)
+            except NotImplementedError:
+                if not self.trust_tasks:
+                    raise ApiError(422, f"task: env {self.name!r} cannot check task dicts (no "
+                                        "task_from_dict): reset by data_idx, or start the server "
+                                        "with --trust-tasks") from None
+                task = Task(env=self.name, task_id=body["task_id"], split=body["split"],
+                            seed=body["seed"], instruction=body["instruction"], data=body["data"])
+            except (ValueError, TypeError, KeyError) as exc:
+                reason = exc.args[0] if exc.args and isinstance(exc.args[0], str) else repr(exc)
+                raise ApiError(422, f"task rejected by env {self.name}: {_cut(reason)}") from None
+            if not isinstance(task, Task) or task.env != self.name:
+                raise ApiError(500, f"env {self.name}'s task_from_dict returned {type(task).__name__}"
+                                    f" for env {getattr(task, 'env', None)!r}")
+            return task
+
+        return self._timed("task check", deadline, parse)
+
+    def reset(self, idx: int, *, task: dict[str, Any] | None = None, data_idx: int | None = None,
+              split: str = "test", snapshot: bool = False) -> dict[str, Any]:
+        """Start a task on env ``idx``: a client's task dict (validated) or ``data_idx``."""
+        deadline = self._deadline()
+        chosen = self.validate_task(task, deadline) if task is not None else self.task_at(data_idx, split)
+        with self.use(idx, deadline) as slot:
+            env = slot.env
+
+            def work():
+                obs = env.reset(chosen)
+                return obs, env.state_key(), env.snapshot() if snapshot else None
+
+            obs, key, snap = self._timed("reset", deadline, work, idx=idx, slot=slot, task=chosen)
+            slot.task, slot.score, slot.done = chosen, 0.0, False
             out = {"id": idx, "observation": obs, "reward": 0.0, "score": 0.0, "done": False,
-                   "task_id": task.task_id, "instruction": task.instruction,
-                   "state_key": slot.env.state_key()}
-            if snapshot:
-                out["snapshot_id"] = self._store(idx, slot)
+                   "task_id": chosen.task_id, "instruction": chosen.instruction, "state_key": key}
+            if snap is not None:
+                out["snapshot_id"] = self._store(idx, slot, snap)
             return out
 
     def step(self, idx: int, action: str, snapshot: bool = False) -> dict[str, Any]:
-        with self.use(idx) as slot:
+        deadline = self._deadline()
+        with self.use(idx, deadline) as slot:
             if slot.task is None:
                 raise ApiError(409, f"env {idx} has no episode yet: POST /reset first")
             if slot.done:
                 raise ApiError(409, f"the episode of env {idx} is over (done): reset it or restore "
                                     "a snapshot")
-            res = _env_call("step", slot.env.step, action)
+            env = slot.env
+
+            def work():
+                res = env.step(action)
+                return res, jsonable(res.info), env.state_key(), env.snapshot() if snapshot else None
+
+            res, info, key, snap = self._timed("step", deadline, work, idx=idx, slot=slot)
             slot.score += res.reward
-            slot.done = bool(res.done)
+            slot.done = res.done
             out = {"observation": res.observation, "reward": res.reward, "score": slot.score,
-                   "done": slot.done, "info": jsonable(res.info), "state_key": slot.env.state_key()}
-            if snapshot:
-                out["snapshot_id"] = self._store(idx, slot)
+                   "done": res.done, "terminated": res.terminated, "truncated": res.truncated,
+                   "success": res.success, "valid": res.valid, "info": info, "state_key": key}
+            if snap is not None:
+                out["snapshot_id"] = self._store(idx, slot, snap)
             return out
 
     def observation(self, idx: int) -> str:
-        with self.use(idx) as slot:
+        deadline = self._deadline()
+        with self.use(idx, deadline) as slot:
             self._need_episode(idx, slot)
-            return _env_call("observe", slot.env.observe)
+            return self._timed("observe", deadline, slot.env.observe, idx=idx, slot=slot)
 
     def query(self, idx: int, what: str) -> Any:
         """``valid_actions``, ``expert_action`` or ``heuristic`` of env ``idx``'s state."""
-        with self.use(idx) as slot:
+        deadline = self._deadline()
+        with self.use(idx, deadline) as slot:
             self._need_episode(idx, slot)
             method = getattr(slot.env, what, None)
             if not callable(method):
                 raise ApiError(404, f"env {self.name!r} has no {what}()")
-            return jsonable(_env_call(what, method))
+            return self._timed(what, deadline, lambda: jsonable(method()), idx=idx, slot=slot)
 
     @staticmethod
     def _need_episode(idx: int, slot: Slot) -> None:
@@ -225,16 +348,20 @@ class EnvPool:
 
     # --- snapshots ---------------------------------------------------------------------------
     def snapshot(self, idx: int) -> dict[str, Any]:
-        with self.use(idx) as slot:
+        deadline = self._deadline()
+        with self.use(idx, deadline) as slot:
             self._need_episode(idx, slot)
-            return {"snapshot_id": self._store(idx, slot), "state_key": slot.env.state_key(),
-                    "observation": slot.env.observe()}
+            env = slot.env
+            snap, key, obs = self._timed("snapshot", deadline,
+                                         lambda: (env.snapshot(), env.state_key(), env.observe()),
+                                         idx=idx, slot=slot)
+            return {"snapshot_id": self._store(idx, slot, snap), "state_key": key, "observation": obs}
 
-    def _store(self, idx: int, slot: Slot) -> str:
-        snap = _env_call("snapshot", slot.env.snapshot)
+    def _store(self, idx: int, slot: Slot, snap: Snapshot) -> str:
+        """Keep ``snap`` under a new unguessable id, usable by env ``idx``'s family only."""
         with self._lock:
-            sid = f"s{next(self._snap_ids)}"
-            self._snaps[sid] = Stored(idx, snap, slot.task, slot.score, slot.done)
+            sid = secrets.token_urlsafe(16)
+            self._snaps[sid] = Stored(idx, slot.family, snap, slot.task, slot.score, slot.done)
             slot.snaps.add(sid)
             while len(self._snaps) > self.max_snapshots:
                 old, stored = self._snaps.popitem(last=False)
@@ -243,44 +370,54 @@ class EnvPool:
                     owner.snaps.discard(old)
         return sid
 
-    def _snaps_get(self, sid: str) -> Stored:
+    def _snaps_get(self, sid: str, family: int) -> Stored:
+        """Snapshot ``sid`` if env family ``family`` may use it; 404 alike for any other reason."""
         with self._lock:
             stored = self._snaps.get(sid)
-            if stored is None:
-                raise ApiError(404, f"snapshot {sid!r} not found: evicted (the server keeps the "
-                                    f"{self.max_snapshots} most recently used), its env was closed, "
+            if stored is None or stored.family != family:
+                raise ApiError(404, f"snapshot {_cut(sid, 40)!r} not found: evicted (the server "
+                                    f"keeps the {self.max_snapshots} most recently used), its env "
+                                    "was closed, it was made by an env not forked from this one, "
                                     "or it never existed")
             self._snaps.move_to_end(sid)
             return stored
 
     def restore(self, idx: int, sid: str) -> dict[str, Any]:
-        stored = self._snaps_get(sid)
-        with self.use(idx) as slot:
-            return self._restore_into(slot, stored)
+        deadline = self._deadline()
+        with self.use(idx, deadline) as slot:
+            return self._restore_into(idx, slot, self._snaps_get(sid, slot.family), deadline)
 
-    def _restore_into(self, slot: Slot, stored: Stored) -> dict[str, Any]:
-        _env_call("restore", slot.env.restore, stored.snapshot)
+    def _restore_into(self, idx: int, slot: Slot, stored: Stored, deadline: float) -> dict[str, Any]:
+        env = slot.env
+
+        def work():
+            env.restore(stored.snapshot)
+            return env.state_key()
+
+        key = self._timed("restore", deadline, work, idx=idx, slot=slot)
         slot.task, slot.score, slot.done = stored.task, stored.score, stored.done
-        return {"observation": stored.snapshot.observation, "state_key": slot.env.state_key(),
+        return {"observation": stored.snapshot.observation, "state_key": key,
                 "score": slot.score, "done": slot.done}
 
     def fork(self, idx: int, sid: str | None = None) -> dict[str, Any]:
-        """A new env in env ``idx``'s current state (or in stored snapshot ``sid``)."""
-        if sid is not None:
-            stored = self._snaps_get(sid)
-            with self.use(idx):
-                pass  # the source must still be live
-        else:
-            with self.use(idx) as slot:
+        """A new env in env ``idx``'s current state (or in stored snapshot ``sid`` of its family),
+        in the same family."""
+        deadline = self._deadline()
+        with self.use(idx, deadline) as slot:
+            family = slot.family
+            if sid is not None:
+                stored = self._snaps_get(sid, family)
+            else:
                 self._need_episode(idx, slot)
-                snap = _env_call("snapshot", slot.env.snapshot)
-                stored = Stored(idx, snap, slot.task, slot.score, slot.done)
-        new = self.create()
-        with self.use(new) as slot:
+                snap = self._timed("snapshot", deadline, slot.env.snapshot, idx=idx, slot=slot)
+                stored = Stored(idx, family, snap, slot.task, slot.score, slot.done)
+        new = self.create(family, deadline)
+        with self.use(new, deadline) as slot:
             try:
-                return {"id": new, **self._restore_into(slot, stored)}
+                return {"id": new, **self._restore_into(new, slot, stored, deadline)}
             except ApiError:
-                self._end(new, slot, "closed: the fork failed")
+                if slot.env is not None:
+                    self._close_later(self._discard(new, slot, "closed: the fork failed"))
                 raise
 
     # --- about -------------------------------------------------------------------------------
@@ -296,19 +433,37 @@ class EnvPool:
         with self._lock:
             return {"status": "ok", "env": self.name, "live_envs": len(self._slots),
                     "max_envs": self.max_envs, "snapshots": len(self._snaps),
-                    "max_snapshots": self.max_snapshots, "idle_timeout": self.idle_timeout}
+                    "max_snapshots": self.max_snapshots, "idle_timeout": self.idle_timeout,
+                    "call_timeout": self.call_timeout, "calls_past_limit": self._running_late}
 
 
-def _env_call(what: str, fn: Callable, *args: Any) -> Any:
-    """Call into the env: misuse it reports (EnvError) is a 409, any other exception a 500."""
+def _env_call(what: str, fn: Callable[[], Any], task: Task | None = None) -> Any:
+    """Call into the env: misuse it reports (EnvError) is a 409, any other exception a 500; on
+    reset (``task`` given) a ValueError/KeyError/TypeError is the task's fault, a 422."""
     try:
-        return fn(*args)
-    except EnvError as exc:
-        raise ApiError(409, f"{what} refused: {exc}") from None
+        return fn()
     except ApiError:
         raise
+    except EnvError as exc:
+        raise ApiError(409, f"{what} refused: {_cut(str(exc))}") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        if task is None:
+            raise ApiError(500, f"env {what} raised {type(exc).__name__}: {_cut(str(exc))}") from None
+        raise ApiError(422, f"task {_cut(task.task_id, 80)!r} rejected by env {task.env}: "
+                            f"{type(exc).__name__}: {_cut(str(exc))}") from None
     except Exception as exc:
-        raise ApiError(500, f"env {what} raised {type(exc).__name__}: {exc}") from None
+        raise ApiError(500, f"env {what} raised {type(exc).__name__}: {_cut(str(exc))}") from None
+
+
+def _quiet_close(env: Env) -> None:
+    try:
+        env.close()
+    except Exception:  # a failing close must not take the server down
+        pass
+
+
+def _cut(text: str, limit: int = _SHOWN) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
 def jsonable(obj: Any) -> Any:

@@ -7,52 +7,143 @@ AgentGym clients work unchanged, and add what a tree search needs: ``/snapshot``
 ``/fork``, ``/valid_actions``, ``/expert_action``, ``/heuristic``, ``/info`` and ``/health``. The
 OpenAPI schema is at ``/openapi.json`` (browsable at ``/docs``).
 
-Snapshots stay on the server: ``/snapshot`` stores one and answers an opaque ``snapshot_id``
-(``"snapshot": true`` on ``/reset`` and ``/step`` does the same in that call). The store keeps
-the ``--max-snapshots`` most recently used ones and frees an env's snapshots when it closes; an
-evicted id answers 404, and :class:`envs.remote.RemoteEnv` then restores by replay instead.
+Snapshots stay on the server: ``/snapshot`` stores one and answers an opaque, unguessable
+``snapshot_id`` (``"snapshot": true`` on ``/reset`` and ``/step`` does the same in that call). An id
+works only for the env that made it and the envs forked from it; for any other env it answers
+404, as an unknown one does. The store keeps the ``--max-snapshots`` most recently used ones and
+frees an env's snapshots when it closes; an evicted id answers 404, and
+:class:`envs.remote.RemoteEnv` then restores by replay instead.
+
+A full task on ``/reset`` is checked by the env's own ``task_from_dict`` (a 422 naming what is
+wrong), as a task file would be. Request bodies over ``--max-body-mb`` are refused (413) before
+they are read; each request's env work gets ``--call-timeout`` seconds (then 504, and the env is
+discarded); ``--token`` (or ``$OMRL_ENV_SERVER_TOKEN``) requires a bearer token. Body fields are
+strictly typed (``{"id": false}`` and ``{"id": "0"}`` are refused). See docs/reliability.md.
 
 Unlike AgentGym (which answers errors with status 200), errors are ``{"error": message}`` with a
-4xx status: 400 malformed JSON, 404 unknown env or snapshot id, 409 a step before ``/reset`` or
-after the episode ended, 410 an env that was closed or expired, 422 a bad field, task index or
-task, 503 the live-env cap reached; 500 when the env itself raised (the server goes on serving).
-Each env has its own lock (envs are not thread-safe; FastAPI runs these sync endpoints in a
-thread pool), so concurrent clients on different envs step in parallel. An env unused for
-``--idle-timeout`` seconds is closed.
+4xx/5xx status (:data:`ERRORS`, each listed in the OpenAPI spec): 400 malformed JSON, 401 no or a
+wrong token, 404 unknown env or snapshot id, 405 a wrong method (with ``Allow``), 409 a step
+before ``/reset`` or after the episode ended, 410 an env that was closed, expired or discarded,
+413 a body too large, 422 a bad field, task index or task, 503 the live-env cap reached, 504 env
+work past the time limit; 500 when the env itself raised (the server goes on serving). Each env
+has its own lock (envs are not thread-safe; its work runs on the pool's worker threads), so
+concurrent clients on different envs step in parallel. An env unused for ``--idle-timeout``
+seconds is closed.
 """
 import argparse
+import json
+import os
+import secrets
 import time
 from contextlib import asynccontextmanager
 from typing import Any, Callable
 
 from omrl_search.env import env_class
-from omrl_search.types import Task
 
 from ._env_pool import PROTOCOL, ApiError, EnvPool
 
 MAX_ACTION_CHARS = 100_000
+_QUERIES = ("observation", "valid_actions", "expert_action", "heuristic")  # GET ?id=
+MAX_BODY_MB = 4.0
+TOKEN_VAR = "OMRL_ENV_SERVER_TOKEN"  # the bearer token, when --token is not given
+#: every status the server answers besides 200, for the OpenAPI spec
+ERRORS = {400: "malformed JSON body", 401: "missing or wrong bearer token (--token)",
+          404: "unknown env id, snapshot id or path", 405: "method not allowed (see Allow)",
+          409: "step before /reset or after the episode ended; the env refused the call",
+          410: "the env was closed, expired or discarded", 413: "request body over --max-body-mb",
+          422: "a field, task index or task failed validation",
+          500: "the env itself raised (the server goes on serving)",
+          503: "env cap reached, or the env is busy with another request",
+          504: "the env's work ran past --call-timeout (the env is discarded)"}
 
 
-def task_from_body(env: str, body: dict[str, Any]) -> Task:
-    """A full task dict (the fields of :class:`~omrl_search.types.Task`) as a Task of ``env``."""
-    if body.get("env") not in (None, env):
-        raise ApiError(422, f"task is for env {body['env']!r}, this server serves {env!r}")
-    return Task(env=env, task_id=body["task_id"], split=body["split"], seed=body["seed"],
-                instruction=body["instruction"], data=body["data"])
+# --- ASGI middleware: a bearer token, then a body limit, both before any body is read --------
+async def _send_error(send, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+    body = json.dumps({"error": message}).encode()
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    head += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    if status == 413:
+        head.append((b"connection", b"close"))  # the rest of the body is never read
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": body})
+
+
+class BearerToken:
+    """401 unless the request carries ``Authorization: Bearer <token>`` (compared in constant time)."""
+
+    def __init__(self, app, token: str):
+        self.app, self.expected = app, f"Bearer {token}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                return await _send_error(send, 401, "missing or wrong bearer token: send the header "
+                                         "'Authorization: Bearer <token>' (omrl env serve --token)",
+                                         {"WWW-Authenticate": "Bearer"})
+        await self.app(scope, receive, send)
+
+
+class BodyLimit:
+    """413 for a request body over ``limit`` bytes: at once from its Content-Length, else as soon
+    as the bytes received pass it (chunked bodies), so a huge body is never held in memory."""
+
+    def __init__(self, app, limit: int, error: type[Exception]):
+        self.app, self.limit, self.error = app, limit, error  # error: starlette's HTTPException
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                return await _send_error(send, 400, f"bad Content-Length {declared[:40]!r}")
+            if int(declared) > self.limit:
+                return await _send_error(send, 413, self._message(int(declared)))
+        seen, started = 0, False
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                # an HTTPException: FastAPI passes it on from reading the body, to our handler
+                raise self.error(413, self._message(seen, "at least "))
+            return message
+
+        async def watched(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted, watched)
+        except self.error as exc:  # raised outside FastAPI's own handling
+            if started or exc.status_code != 413:
+                raise
+            await _send_error(send, 413, str(exc.detail))
+
+    def _message(self, size: int, more: str = "") -> str:
+        return (f"request body of {more}{size} bytes is over the limit of {self.limit} bytes "
+                "(omrl env serve --max-body-mb)")
 
 
 # --- the FastAPI app -------------------------------------------------------------------------
 def create_app(env: str, *, max_envs: int = 64, idle_timeout: float = 600.0,
-               max_snapshots: int = 20_000, clock: Callable[[], float] = time.monotonic):
-    """The FastAPI app serving ``env`` (models are built here so importing this module is cheap)."""
+               max_snapshots: int = 20_000, call_timeout: float = 60.0,
+               max_body_bytes: int = int(MAX_BODY_MB * 2**20), token: str | None = None,
+               trust_tasks: bool = False, clock: Callable[[], float] = time.monotonic):
+    """The FastAPI app serving ``env`` (models are built here so importing this module is cheap).
+
+    ``token``: require ``Authorization: Bearer <token>`` on every request (None: no auth)."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
-    from pydantic import BaseModel, Field
+    from pydantic import BaseModel, ConfigDict, Field
     from starlette.exceptions import HTTPException
 
     pool = EnvPool(env, max_envs=max_envs, idle_timeout=idle_timeout, max_snapshots=max_snapshots,
-                   clock=clock)
+                   call_timeout=call_timeout, trust_tasks=trust_tasks, clock=clock)
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -60,14 +151,48 @@ def create_app(env: str, *, max_envs: int = 64, idle_timeout: float = 600.0,
         pool.close_all()
 
     app = FastAPI(title=f"omrl env server: {env}", version=PROTOCOL, lifespan=lifespan,
+                  generate_unique_id_function=lambda route: route.name,  # operationIds for links
                   description="AgentGym's id-dialect endpoints plus snapshots; errors are "
                               "{\"error\": message} with a 4xx/5xx status.")
     app.state.pool = pool
+    app.add_middleware(BodyLimit, limit=max_body_bytes, error=HTTPException)
+    if token:
+        app.add_middleware(BearerToken, token=token)  # added last: runs first
 
-    class EnvRef(BaseModel):
+    class Strict(BaseModel):
+        model_config = ConfigDict(strict=True)  # `{"id": false}` and `{"id": "0"}` are no ids
+
+    class ErrorOut(BaseModel):
+        error: str
+
+    def answers(*codes: int, links: dict[str, Any] | None = None) -> dict[int | str, dict[str, Any]]:
+        """The route's error answers for the spec, and its OpenAPI links (what a client, or a
+        fuzzer, can call next with the ids it answered)."""
+        codes += (401,) if token else ()
+        out: dict[int | str, dict[str, Any]] = {
+            c: {"model": ErrorOut, "description": ERRORS[c]} for c in sorted(codes)}
+        if links:
+            out[200] = {"links": links}
+        return out
+
+    def link(op: str, env_id: str, **body: str) -> dict[str, Any]:
+        if op in _QUERIES:
+            return {"operationId": op, "parameters": {"query.id": env_id}}
+        return {"operationId": op, "requestBody": {"id": env_id, **body}}
+
+    def live(env_id: str, snapshot_id: str | None = None) -> dict[str, Any]:
+        out = {op: link(op, env_id) for op in ("step", "snapshot", "fork", "close", *_QUERIES)}
+        if snapshot_id:
+            out["restore"] = link("restore", env_id, snapshot_id=snapshot_id)
+        return out
+
+    posted = (400, 413, 422)  # any POST with a body
+    on_env = (404, 410, 500, 503, 504)  # any call on an env id
+
+    class EnvRef(Strict):
         id: int = Field(description="the env id /create answered")
 
-    class TaskBody(BaseModel):
+    class TaskBody(Strict):
         env: str | None = None
         task_id: str
         split: str = "test"
@@ -78,7 +203,8 @@ def create_app(env: str, *, max_envs: int = 64, idle_timeout: float = 600.0,
     class ResetBody(EnvRef):
         data_idx: int | None = Field(None, description="index into the env's task list of `split`")
         split: str = "test"
-        task: TaskBody | None = Field(None, description="a full task instead of data_idx")
+        task: TaskBody | None = Field(None, description="a full task instead of data_idx, checked by "
+                                                        "the env's task_from_dict")
         snapshot: bool = Field(False, description="also store a snapshot of the new state")
 
     class StepBody(EnvRef):
@@ -86,14 +212,18 @@ def create_app(env: str, *, max_envs: int = 64, idle_timeout: float = 600.0,
         snapshot: bool = Field(False, description="also store a snapshot of the new state")
 
     class RestoreBody(EnvRef):
-        snapshot_id: str
+        snapshot_id: str = Field(max_length=200)
 
     class ForkBody(EnvRef):
-        snapshot_id: str | None = None
+        snapshot_id: str | None = Field(None, max_length=200)
 
     class Created(BaseModel):
         id: int
         env: str
+
+    class Closed(BaseModel):
+        id: int
+        closed: bool
 
     class ResetOut(BaseModel):
         id: int
@@ -110,7 +240,11 @@ def create_app(env: str, *, max_envs: int = 64, idle_timeout: float = 600.0,
         observation: str
         reward: float
         score: float = Field(description="reward summed over the episode")
-        done: bool
+        done: bool = Field(description="terminated or truncated (AgentGym's one flag)")
+        terminated: bool = Field(description="the task reached an end state")
+        truncated: bool = Field(description="the episode was cut (a step limit)")
+        success: bool
+        valid: bool = Field(description="false when the action was malformed or not admissible")
         info: dict[str, Any]
         state_key: str
         snapshot_id: str | None = None
@@ -129,16 +263,16 @@ def create_app(env: str, *, max_envs: int = 64, idle_timeout: float = 600.0,
     class ForkOut(RestoreOut):
         id: int
 
-    def error(status: int, message: str) -> JSONResponse:
-        return JSONResponse({"error": message}, status_code=status)
+    def error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse({"error": message}, status_code=status, headers=headers)
 
     @app.exception_handler(ApiError)
     async def _api_error(_req: Request, exc: ApiError):
         return error(exc.status, str(exc))
 
     @app.exception_handler(HTTPException)
-    async def _http_error(_req: Request, exc: HTTPException):
-        return error(exc.status_code, str(exc.detail))
+    async def _http_error(_req: Request, exc: HTTPException):  # 404 path, 405 (with Allow), 413
+        return error(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _crash(_req: Request, exc: Exception):  # a bug of ours: still one JSON line
@@ -153,65 +287,98 @@ def create_app(env: str, *, max_envs: int = 64, idle_timeout: float = 600.0,
         parts = [f"{'.'.join(str(p) for p in e['loc'][1:]) or e['loc'][0]}: {e['msg']}" for e in errors]
         return error(422, "bad request: " + "; ".join(parts))
 
-    @app.post("/create", response_model=Created, summary="create an env (no body needed)")
+    @app.post("/create", response_model=Created, responses=answers(400, 413, 503, 504, links={
+                  "reset": link("reset", "$response.body#/id", data_idx=0, snapshot=True),
+                  "close": link("close", "$response.body#/id")}),
+              summary="create an env (no body needed)")
     def create():
         return {"id": pool.create(), "env": env}
 
     @app.post("/reset", response_model=ResetOut, response_model_exclude_none=True,
+              responses=answers(*posted, *on_env, 409, links=live("$response.body#/id",
+                                                                   "$response.body#/snapshot_id")),
               summary="start a task: data_idx into the split's task list, or a full task")
     def reset(body: ResetBody):
         if (body.data_idx is None) == (body.task is None):
             raise ApiError(422, "give either data_idx (with split) or task, not both or neither")
-        task = (pool.task_at(body.data_idx, body.split) if body.task is None
-                else task_from_body(env, body.task.model_dump()))
-        return pool.reset(body.id, task, body.snapshot)
+        task = None if body.task is None else body.task.model_dump()
+        return pool.reset(body.id, task=task, data_idx=body.data_idx, split=body.split,
+                          snapshot=body.snapshot)
 
-    @app.post("/step", response_model=StepOut, response_model_exclude_none=True)
+    @app.post("/step", response_model=StepOut, response_model_exclude_none=True,
+              responses=answers(*posted, *on_env, 409, links=live("$request.body#/id",
+                                                                   "$response.body#/snapshot_id")))
     def step(body: StepBody):
         return pool.step(body.id, body.action, body.snapshot)
 
-    @app.get("/observation", response_model=str, summary="the current observation (a string)")
+    @app.get("/observation", response_model=str, responses=answers(422, *on_env, 409),
+             summary="the current observation (a string)")
     def observation(id: int):  # noqa: A002 - AgentGym's query parameter name
         return pool.observation(id)
 
-    @app.post("/close")
-    def close(body: EnvRef) -> dict[str, Any]:
+    @app.post("/close", response_model=Closed, responses=answers(*posted, 404, 410, 503))
+    def close(body: EnvRef):
         pool.close(body.id)
         return {"id": body.id, "closed": True}
 
-    @app.post("/snapshot", response_model=SnapshotOut, summary="store a snapshot on the server")
+    @app.post("/snapshot", response_model=SnapshotOut, responses=answers(
+              *posted, *on_env, 409, links=live("$request.body#/id", "$response.body#/snapshot_id")),
+              summary="store a snapshot on the server (usable by this env and its forks)")
     def snapshot(body: EnvRef):
         return pool.snapshot(body.id)
 
-    @app.post("/restore", response_model=RestoreOut, summary="restore a stored snapshot")
+    @app.post("/restore", response_model=RestoreOut, responses=answers(*posted, *on_env, 409),
+              summary="restore a stored snapshot of this env or its family")
     def restore(body: RestoreBody):
         return pool.restore(body.id, body.snapshot_id)
 
-    @app.post("/fork", response_model=ForkOut, summary="a new env in this env's state")
+    @app.post("/fork", response_model=ForkOut,
+              responses=answers(*posted, *on_env, 409, links=live("$response.body#/id")),
+              summary="a new env in this env's state")
     def fork(body: ForkBody):
         return pool.fork(body.id, body.snapshot_id)
 
-    @app.get("/valid_actions", summary="admissible actions (null when the env cannot list them)")
+    @app.get("/valid_actions", responses=answers(422, *on_env, 409),
+             summary="admissible actions (null when the env cannot list them)")
     def valid_actions(id: int) -> list[str] | None:  # noqa: A002
         return pool.query(id, "valid_actions")
 
-    @app.get("/expert_action", summary="the expert solver's next action (null if none)")
+    @app.get("/expert_action", responses=answers(422, *on_env, 409),
+             summary="the expert solver's next action (null if none)")
     def expert_action(id: int) -> str | None:  # noqa: A002
         return pool.query(id, "expert_action")
 
-    @app.get("/heuristic", summary="the env's heuristic value of the state (404 if it has none)")
+    @app.get("/heuristic", responses=answers(422, *on_env, 409),
+             summary="the env's heuristic value of the state (404 if it has none)")
     def heuristic(id: int) -> float:  # noqa: A002
         return pool.query(id, "heuristic")
 
-    @app.get("/info", summary="the env's name, action syntax, horizon and capabilities")
+    @app.get("/info", responses=answers(), summary="the env's name, action syntax, horizon and capabilities")
     def info() -> dict[str, Any]:
         return pool.info()
 
-    @app.get("/health")
+    @app.get("/health", responses=answers())
     def health() -> dict[str, Any]:
         return pool.health()
 
+    if token:
+        _document_token(app)
     return app
+
+
+def _document_token(app) -> None:
+    """The bearer scheme in the spec (FastAPI does not know about the middleware)."""
+    base = app.openapi
+
+    def openapi():
+        if app.openapi_schema is None:
+            spec = base()
+            spec.setdefault("components", {})["securitySchemes"] = {
+                "bearer": {"type": "http", "scheme": "bearer"}}
+            spec["security"] = [{"bearer": []}]
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 # --- the `omrl env` sub-command --------------------------------------------------------------
@@ -219,34 +386,60 @@ def configure(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="env_command", required=True)
     s = sub.add_parser("serve", help="serve one registered env over HTTP (AgentGym's protocol + snapshots)")
     s.add_argument("--env", required=True, help="registered env name (see `omrl envs`)")
-    s.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
+    s.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1; any "
+                   "other needs --token, see docs/reliability.md)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-envs", type=int, default=64, help="live envs at most (default 64)")
     s.add_argument("--idle-timeout", type=float, default=600.0,
                    help="close an env unused for this many seconds (default 600)")
     s.add_argument("--max-snapshots", type=int, default=20_000,
                    help="stored snapshots kept, least recently used evicted (default 20000)")
+    s.add_argument("--call-timeout", type=float, default=60.0,
+                   help="seconds of env work per request; past it 504 and the env is discarded "
+                        "(default 60)")
+    s.add_argument("--max-body-mb", type=float, default=MAX_BODY_MB,
+                   help=f"largest request body in MiB; past it 413 (default {MAX_BODY_MB:g})")
+    s.add_argument("--token", default=None,
+                   help=f"require 'Authorization: Bearer TOKEN' on every request (default: ${TOKEN_VAR} "
+                        "if set, else no auth)")
+    s.add_argument("--trust-tasks", action="store_true",
+                   help="accept full task dicts for an env without task_from_dict (unchecked)")
     s.add_argument("--log-level", default="warning", help="uvicorn's log level (default warning)")
 
 
 def run(args: argparse.Namespace) -> int:
+    import math
+
     from omrl_search.cli import UsageError
 
     env_class(args.env)  # KeyError: one line naming the known envs
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be 0..65535, got {args.port}")
     for flag, value in (("--max-envs", args.max_envs), ("--idle-timeout", args.idle_timeout),
-                        ("--max-snapshots", args.max_snapshots)):
-        if value <= 0:
-            raise UsageError(f"{flag} must be > 0, got {value:g}")
+                        ("--max-snapshots", args.max_snapshots), ("--call-timeout", args.call_timeout),
+                        ("--max-body-mb", args.max_body_mb)):
+        if not (math.isfinite(value) and value > 0):
+            raise UsageError(f"{flag} must be a number > 0, got {value:g}")
+    token = args.token if args.token is not None else os.environ.get(TOKEN_VAR) or None
+    if token is not None and (len(token) < 16 or not token.isprintable() or " " in token):
+        raise UsageError(f"--token must be at least 16 printable characters without spaces "
+                         f"(e.g. python -c 'import secrets; print(secrets.token_urlsafe())')")
     try:
         import fastapi  # noqa: F401
         import uvicorn
     except ImportError as exc:
         raise UsageError(f"omrl env serve needs {exc.name}: pip install 'omrl-search[serve]'") from None
     app = create_app(args.env, max_envs=args.max_envs, idle_timeout=args.idle_timeout,
-                     max_snapshots=args.max_snapshots)
+                     max_snapshots=args.max_snapshots, call_timeout=args.call_timeout,
+                     max_body_bytes=int(args.max_body_mb * 2**20), token=token,
+                     trust_tasks=args.trust_tasks)
+    auth = "bearer token required" if token else "no auth"
     print(f"serving env {args.env} on http://{args.host}:{args.port} (max {args.max_envs} envs, "
-          f"idle timeout {args.idle_timeout:g} s); API docs at /docs", flush=True)
+          f"idle timeout {args.idle_timeout:g} s, {args.call_timeout:g} s per request, bodies up "
+          f"to {args.max_body_mb:g} MiB, {auth}); API docs at /docs", flush=True)
+    if not token and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: {args.host} is reachable from other machines and anyone there can run "
+              f"this env: set --token (or ${TOKEN_VAR}) and put TLS in front (docs/reliability.md)",
+              flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

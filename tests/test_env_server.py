@@ -106,12 +106,17 @@ def test_snapshot_payload_replays_locally_and_pickles(urls):
     assert local.state_key() == snap.state_key and local.observe() == snap.observation
     copy = pickle.loads(pickle.dumps(remote_factory(urls["game24"])))  # e.g. for a Ray actor
     other = copy("game24")
-    other.restore(snap)  # from the server's store
-    assert (other.observe(), other.state_key(), other.replays) == (snap.observation, snap.state_key, 0)
-    remote.close()  # frees its stored snapshots: now only a replay gets there
-    other.restore(snap)
+    other.restore(snap)  # another env cannot use the stored snapshot (404): it replays
     assert (other.observe(), other.state_key(), other.replays) == (snap.observation, snap.state_key, 1)
+    twin = remote.fork()  # a fork shares its source's snapshots
+    twin.step("answer 1 + 1")
+    twin.restore(snap)
+    assert (twin.observe(), twin.state_key(), twin.replays) == (snap.observation, snap.state_key, 0)
+    remote.close()  # frees its stored snapshots: now only a replay gets there
+    twin.restore(snap)
+    assert (twin.observe(), twin.state_key(), twin.replays) == (snap.observation, snap.state_key, 1)
     other.close()
+    twin.close()
 
 
 # --- 8 concurrent clients -----------------------------------------------------------------------
@@ -186,7 +191,7 @@ def test_bad_requests_get_4xx_with_a_clear_message_and_the_server_keeps_serving(
     out = c.post("/reset", json={"id": fresh, "data_idx": 0}).json()
     assert out["done"] is False and out["task_id"] == om.load_tasks("game24", "test", limit=1)[0].task_id
     end = c.post("/step", json={"id": fresh, "action": "answer 1 + 1"}).json()
-    assert end["done"] is True and end["info"]["success"] is False
+    assert (end["done"], end["terminated"], end["success"], end["valid"]) == (True, True, False, True)
     r = c.post("/step", json={"id": fresh, "action": "4 * 6"})
     assert r.status_code == 409 and "is over" in r.json()["error"]
     r = c.get("/heuristic", params={"id": fresh})
@@ -299,7 +304,7 @@ def fake_agentgym(env_name: str, dialect: str) -> FastAPI:
     def step(body: dict):
         def go():
             r = envs[body[key]].step(body["action"])
-            reward = float(r.info.get("success", False))  # AgentGym envs report success as reward
+            reward = float(r.success)  # AgentGym envs report success as reward
             if key == "id":
                 return {"observation": r.observation, "reward": reward, "score": reward, "done": r.done}
             return {"state": r.observation, "reward": reward, "done": r.done, "info": None}
