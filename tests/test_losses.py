@@ -122,10 +122,33 @@ def test_dpo_kinds_by_hand_and_registry():
     assert (cw.item(), rw.item()) == (0.5, -0.5)
     assert L.dpo_loss(c, r, rc, rr, beta=0.5, kind="hinge")[0].item() == pytest.approx(0.0)
     assert L.dpo_loss(c, r, rc, rr, beta=0.5, kind="ipo")[0].item() == pytest.approx((2 - 1) ** 2)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"unknown DPO loss 'kto' \(one of sigmoid, hinge, ipo"):
         L.dpo_loss(c, r, rc, rr, kind="kto")
-    assert {"nll", "dpo", "clip", "value"} <= set(L.LOSSES)
-    assert {"grpo", "gae"} <= set(L.ADVANTAGES)
+
+
+def test_registries_name_the_functions_and_list_known_names_on_a_miss():
+    assert L.DPO_LOSSES["ipo"] is L.dpo_ipo and L.dpo_ipo.mean_logps
+    assert not getattr(L.DPO_LOSSES["sigmoid"], "mean_logps", False)
+    assert L.ADVANTAGES["grpo"] is L.group_advantages and L.ADVANTAGES["gae"] is L.gae
+    assert L.gae.needs_values and not getattr(L.ADVANTAGES["rloo"], "needs_values", False)
+    assert list(L.AGGREGATIONS) == ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+    for reg, what in ((L.AGGREGATIONS, "loss aggregation"), (L.DPO_LOSSES, "DPO loss"),
+                      (L.ADVANTAGES, "advantage estimator")):
+        with pytest.raises(ValueError) as err:
+            reg.check("nosuch")
+        assert str(err.value) == f"unknown {what} 'nosuch' (one of {', '.join(reg)})"
+        assert "nosuch" not in reg  # a miss adds nothing
+
+
+def test_dr_grpo_and_rloo_advantages_by_hand():
+    rewards = torch.tensor([1.0, 0.0, 5.0, 2.0, 3.0, 7.0])
+    groups = torch.tensor([4, 4, 9, 4, 9, 2])  # sizes 3, 2 and 1
+    dr = L.ADVANTAGES["dr-grpo"](rewards, groups)
+    assert dr.tolist() == pytest.approx([0.0, -1.0, 1.0, 1.0, -1.0, 0.0])
+    rloo = L.ADVANTAGES["rloo"](rewards, groups)  # minus the mean of the others in the group
+    assert rloo.tolist() == pytest.approx([1 - 1.0, 0 - 1.5, 5 - 3.0, 2 - 0.5, 3 - 5.0, 0.0])
+    # RLOO is the mean-centred advantage scaled by n / (n - 1)
+    assert rloo[:2].tolist() == pytest.approx((dr[:2] * 3 / 2).tolist())
 
 
 # --- parity with TRL --------------------------------------------------------------------------------

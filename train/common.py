@@ -1,13 +1,22 @@
-"""Pieces the policy trainers share: the model + data setup and the forward pass to logprobs."""
+"""Pieces the policy trainers share: the model + data setup, the forward pass to logprobs, and
+the config fields that name a registered loss variant."""
 from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Iterator
+from typing import Annotated, Any, Iterator
+
+from pydantic import AfterValidator
 
 from .data import RowBuilder
-from .losses import sequence_logprobs
+from .losses import ADVANTAGES, AGGREGATIONS, DPO_LOSSES, sequence_logprobs
 from .runtime import TrainConfig, is_peft
+
+#: config fields whose value must name an entry of a :mod:`train.losses` registry (checked when
+#: the config is built, so a YAML typo fails at once with the known names)
+AggregationName = Annotated[str, AfterValidator(AGGREGATIONS.check)]
+DPOLossName = Annotated[str, AfterValidator(DPO_LOSSES.check)]
+AdvantageName = Annotated[str, AfterValidator(ADVANTAGES.check)]
 
 
 def make_builder(cfg: TrainConfig, model: Any, hf_tokenizer: Any) -> RowBuilder:

@@ -1,4 +1,5 @@
-"""DPO (sigmoid, IPO, hinge) on sibling pairs: loss on the continuation tokens only.
+"""DPO on sibling pairs: loss on the continuation tokens only; ``loss:`` names the variant in
+:data:`train.losses.DPO_LOSSES` (``sigmoid``, ``ipo``, ``hinge``, or one registered there).
 
 The reference is the initial policy: with LoRA the base with the adapter disabled, otherwise a
 frozen copy, or ``ref_model`` (another HF folder). ``reference: precomputed`` computes the
@@ -11,18 +12,23 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from .common import Reference, make_builder, pad_id, policy_logprobs
+from .common import DPOLossName, Reference, make_builder, pad_id, policy_logprobs
 from .data import PairRow, collate_pairs, load_dpo
-from .losses import dpo_loss
+from .losses import DPO_LOSSES, dpo_loss
 from .runtime import ListSource, Runner, TrainConfig, load_model
 
 
 class DPOConfig(TrainConfig):
     beta: float = Field(0.1, gt=0)
-    loss: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
+    loss: DPOLossName = "sigmoid"  # a name in train.losses.DPO_LOSSES
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)
     reference: Literal["precomputed", "model"] = "precomputed"
     ref_model: str | None = None  # an HF folder; default: the initial policy
+
+
+def mean_logps(cfg: DPOConfig) -> bool:
+    """Whether the chosen variant takes per-token mean sequence logprobs (IPO) or sums."""
+    return bool(getattr(DPO_LOSSES[cfg.loss], "mean_logps", False))
 
 
 def seq_logps(lp: Any, mask: Any, mean: bool) -> Any:
@@ -34,7 +40,7 @@ def seq_logps(lp: Any, mask: Any, mean: bool) -> Any:
 def dpo_loss_fn(cfg: DPOConfig, reference: Reference | None):
     """``loss_fn(model, batch)``; the batch is ``collate_pairs`` (chosen rows, then rejected),
     with ``ref_logps`` ``[2B]`` attached when precomputed."""
-    mean = cfg.loss == "ipo"
+    mean = mean_logps(cfg)
 
     def loss_fn(model: Any, batch: dict[str, Any]) -> tuple[Any, dict[str, float]]:
         mask = batch["loss_mask"]
@@ -93,7 +99,7 @@ def build(cfg: DPOConfig) -> Runner:
     runner = Runner(cfg, model, dpo_loss_fn(cfg, None if precomputed else reference),
                     ListSource(pairs, cfg.batch_size, seed=cfg.seed), collate, tokenizer=tok, kind="dpo")
     if precomputed:
-        precompute_reference(runner, reference, pairs, pid, cfg.loss == "ipo", cfg.batch_size)
+        precompute_reference(runner, reference, pairs, pid, mean_logps(cfg), cfg.batch_size)
         reference._copy = None  # free the frozen copy
     return runner
 

@@ -21,6 +21,10 @@
   batch depends on which tasks share an actor, so the samples differ from an in-process run
   (not their distribution). The model folder must exist on every Ray node.
 
+``advantage:`` names the group estimator in :data:`train.losses.ADVANTAGES` (``grpo``: mean-
+and std-normalised per group; ``dr-grpo``: mean-centred only; ``rloo``: leave-one-out baseline)
+and ``agg:`` the loss aggregation in :data:`train.losses.AGGREGATIONS`.
+
 With ``kl_coef > 0`` a k3 KL penalty to the reference (the initial policy: adapter disabled
 under LoRA, else a frozen copy) is added per token.
 """
@@ -29,19 +33,17 @@ from __future__ import annotations
 import os
 import random
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from omrl_search.executors import parse_executor
 
-from .common import Reference, make_builder, pad_id, policy_logprobs
+from .common import AdvantageName, AggregationName, Reference, make_builder, pad_id, policy_logprobs
 from .data import RowBuilder, TokenRow, collate, load_grpo
-from .losses import clip_policy_loss, group_advantages
+from .losses import ADVANTAGES, clip_policy_loss
 from .runtime import (ListSource, Runner, TrainConfig, TrainError, is_peft, load_model,
                       resolve_model_path)
-
-Agg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
 class OnlineSettings(BaseModel):
@@ -72,24 +74,39 @@ class GRPOConfig(TrainConfig):
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.2, ge=0)  # > clip_low: DAPO's clip-higher
     kl_coef: float = Field(0.0, ge=0)
-    agg: Agg = "token-mean"
-    adv_scale: Literal["std", "none"] = "std"
+    agg: AggregationName = "token-mean"  # a name in train.losses.AGGREGATIONS
+    advantage: AdvantageName = "grpo"  # a group estimator in train.losses.ADVANTAGES (grpo, dr-grpo, rloo)
     drop_flat_groups: bool = False  # drop groups whose rewards are all equal (no signal)
     online: OnlineSettings | None = None
+    #: whether the trainer has a value model for estimators registered with needs_values (PPO)
+    value_estimators: ClassVar[bool] = False
+
+    @field_validator("advantage")
+    @classmethod
+    def _estimator_fits(cls, name: str) -> str:
+        if needs_values(name) and not cls.value_estimators:
+            raise ValueError(f"advantage {name!r} needs a value model: use omrl train ppo")
+        return name
 
 
-def assign_advantages(rows: list[TokenRow], scale: str, drop_flat: bool) -> list[TokenRow]:
-    """Group-normalised advantages on the rows (by their ``group``), optionally without the
-    groups that carry no signal."""
+def needs_values(advantage: str) -> bool:
+    """Whether the named estimator takes a value model's values (GAE) rather than group rewards."""
+    return bool(getattr(ADVANTAGES[advantage], "needs_values", False))
+
+
+def assign_advantages(rows: list[TokenRow], advantage: str, drop_flat: bool) -> list[TokenRow]:
+    """The named group estimator's advantages on the rows (by their ``group``; a value-based
+    estimator is left to the trainer's batches), optionally without the groups that carry no
+    signal."""
     import torch
 
     if not rows:
         return rows
-    rewards = torch.tensor([r.reward for r in rows], dtype=torch.float32)
-    groups = torch.tensor([r.group for r in rows])
-    adv = group_advantages(rewards, groups, scale=scale)
-    for r, a in zip(rows, adv.tolist()):
-        r.advantage = a
+    if not needs_values(advantage):
+        rewards = torch.tensor([r.reward for r in rows], dtype=torch.float32)
+        groups = torch.tensor([r.group for r in rows])
+        for r, a in zip(rows, ADVANTAGES[advantage](rewards, groups).tolist()):
+            r.advantage = a
     if drop_flat:
         spread: dict[int, set[float]] = {}
         for r in rows:
@@ -202,7 +219,7 @@ class RolloutSource:
             seq.reward = row["reward"]
             seq.group = groups.setdefault(row["group_id"], len(groups))
             rows.append(seq)
-        rows = assign_advantages(rows, self.cfg.adv_scale, self.cfg.drop_flat_groups)
+        rows = assign_advantages(rows, self.cfg.advantage, self.cfg.drop_flat_groups)
         n_mb = on.steps_per_round * self.cfg.grad_accum
         self.stats = {"rollout_success": sum(r.success for r in results) / len(results),
                       "rollout_reward": sum(r.reward for r in rows) / len(rows) if rows else 0.0,
@@ -243,7 +260,8 @@ def make_source(cfg: GRPOConfig, model: Any, tok: Any) -> tuple[Any, int | None]
     """(batch source, total steps) for offline data or online sampling."""
     builder = make_builder(cfg, model, tok)
     if cfg.online is None:
-        rows = assign_advantages(load_grpo(cfg.data, builder), cfg.adv_scale, cfg.drop_flat_groups)
+        rows = assign_advantages(load_grpo(cfg.data, builder), cfg.advantage,
+                                 cfg.drop_flat_groups)
         if len(rows) < cfg.batch_size:
             raise TrainError(f"{len(rows)} GRPO rows (after filtering) cannot fill a batch of {cfg.batch_size}")
         return ListSource(rows, cfg.batch_size, seed=cfg.seed), None

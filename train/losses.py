@@ -2,8 +2,22 @@
 
 Modelled on verl's ``core_algos``: functions take tensors and plain numbers, return tensors, keep
 no state and never see a model, so each is tested on random tensors (and, where TRL computes the
-same formula, against TRL). Trainers look them up by name in :data:`LOSSES` and
-:data:`ADVANTAGES` (``register_loss`` / ``register_advantage`` add more).
+same formula, against TRL).
+
+Where a trainer's config chooses a variant by name, the name is looked up in a registry here,
+and the trainers call whatever the registry holds (``register`` adds more; a config may then
+name them):
+
+* :data:`AGGREGATIONS` — how a ``[B, T]`` per-token loss becomes a scalar (``agg:`` in
+  ``sft``, ``grpo``, ``ppo``);
+* :data:`DPO_LOSSES` — the DPO family on the log-ratio margin (``loss:`` in ``dpo``); an entry
+  registered with ``mean_logps=True`` gets per-token *mean* sequence log-probabilities;
+* :data:`ADVANTAGES` — advantage estimators (``advantage:`` in ``grpo``, ``ppo``): group
+  estimators ``f(rewards[B], group_ids[B]) -> [B]``, and, registered with
+  ``needs_values=True``, value-based ones ``f(rewards[B, T], values[B, T], mask, *, gamma, lam)
+  -> (advantages, returns)`` (PPO with a value head).
+
+An unknown name raises one ``ValueError`` that lists the known names.
 
 Conventions: ``[B, T]`` tensors are aligned with the token ids (``logprobs[b, t]`` is the
 log-probability of token ``t`` given tokens ``< t``; position 0 has none and is 0); ``mask`` is
@@ -19,31 +33,44 @@ Loss aggregation over a ``[B, T]`` per-token loss (``agg``):
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-DPO_KINDS = ("sigmoid", "ipo", "hinge")
-
-LOSSES: dict[str, Callable[..., object]] = {}
-ADVANTAGES: dict[str, Callable[..., object]] = {}
+Fn = TypeVar("Fn", bound=Callable[..., Any])
 
 
-def register_loss(name: str) -> Callable[[Callable], Callable]:
-    def deco(fn: Callable) -> Callable:
-        LOSSES[name] = fn
-        return fn
-    return deco
+class Registry(dict):
+    """Name -> function. Looking up an unknown name raises one ``ValueError`` naming the
+    known ones (``check`` does the same for config validators)."""
+
+    def __init__(self, what: str):
+        super().__init__()
+        self.what = what
+
+    def __missing__(self, name: str) -> Any:
+        raise ValueError(f"unknown {self.what} {name!r} (one of {', '.join(self)})")
+
+    def register(self, name: str, **attrs: Any) -> Callable[[Fn], Fn]:
+        """Decorator: file ``fn`` under ``name``; ``attrs`` are set on it (e.g. ``mean_logps``)."""
+        def deco(fn: Fn) -> Fn:
+            for key, value in attrs.items():
+                setattr(fn, key, value)
+            self[name] = fn
+            return fn
+        return deco
+
+    def check(self, name: str) -> str:
+        """``name`` if registered, else the ``ValueError`` above."""
+        self[name]
+        return name
 
 
-def register_advantage(name: str) -> Callable[[Callable], Callable]:
-    def deco(fn: Callable) -> Callable:
-        ADVANTAGES[name] = fn
-        return fn
-    return deco
+AGGREGATIONS = Registry("loss aggregation")
+DPO_LOSSES = Registry("DPO loss")
+ADVANTAGES = Registry("advantage estimator")
 
 
 # --- log-probabilities and aggregation -------------------------------------------------------------
@@ -63,17 +90,25 @@ def sequence_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
 
 
 def aggregate(loss: Tensor, mask: Tensor, agg: str = "token-mean", norm: float | None = None) -> Tensor:
-    """Reduce a ``[B, T]`` per-token loss over ``mask`` (see the module docstring)."""
-    mask = mask.to(loss.dtype)
-    if agg == "token-mean":
-        return (loss * mask).sum() / mask.sum().clamp(min=1.0)
-    if agg == "seq-mean-token-mean":
-        per_seq = (loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
-        has = (mask.sum(-1) > 0).to(loss.dtype)
-        return (per_seq * has).sum() / has.sum().clamp(min=1.0)
-    if agg == "seq-mean-token-sum-norm":
-        return ((loss * mask).sum(-1) / float(norm or loss.shape[-1])).mean()
-    raise ValueError(f"unknown loss aggregation {agg!r} (one of {', '.join(AGGREGATIONS)})")
+    """Reduce a ``[B, T]`` per-token loss over ``mask`` with the aggregation named ``agg``."""
+    return AGGREGATIONS[agg](loss, mask.to(loss.dtype), norm)
+
+
+@AGGREGATIONS.register("token-mean")
+def token_mean(loss: Tensor, mask: Tensor, norm: float | None = None) -> Tensor:
+    return (loss * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+@AGGREGATIONS.register("seq-mean-token-mean")
+def seq_mean_token_mean(loss: Tensor, mask: Tensor, norm: float | None = None) -> Tensor:
+    per_seq = (loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+    has = (mask.sum(-1) > 0).to(loss.dtype)
+    return (per_seq * has).sum() / has.sum().clamp(min=1.0)
+
+
+@AGGREGATIONS.register("seq-mean-token-sum-norm")
+def seq_mean_token_sum_norm(loss: Tensor, mask: Tensor, norm: float | None = None) -> Tensor:
+    return ((loss * mask).sum(-1) / float(norm or loss.shape[-1])).mean()
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -82,36 +117,42 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
 
 
 # --- supervised ---------------------------------------------------------------------------------------
-@register_loss("nll")
 def nll_loss(logprobs: Tensor, mask: Tensor, agg: str = "token-mean") -> Tensor:
     """Masked negative log-likelihood of the loss tokens (SFT)."""
     return aggregate(-logprobs, mask, agg)
 
 
 # --- preference -------------------------------------------------------------------------------------
-@register_loss("dpo")
 def dpo_loss(chosen: Tensor, rejected: Tensor, ref_chosen: Tensor, ref_rejected: Tensor, *,
              beta: float = 0.1, kind: str = "sigmoid", label_smoothing: float = 0.0
              ) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-pair DPO-family loss from sequence log-probabilities (``[B]`` each).
-
-    ``sigmoid`` (DPO, Rafailov et al. 2023; ``label_smoothing`` gives cDPO),
-    ``hinge`` (SLiC), ``ipo`` (Azar et al. 2023: pass per-token *mean* log-probabilities, as the
-    IPO authors and TRL do, so ``beta`` does not depend on length). Returns
-    ``(loss[B], chosen_reward[B], rejected_reward[B])`` with rewards ``beta * (logp - ref)``.
-    """
+    """Per-pair DPO-family loss from sequence log-probabilities (``[B]`` each), the variant
+    named ``kind`` in :data:`DPO_LOSSES`. Returns ``(loss[B], chosen_reward[B],
+    rejected_reward[B])`` with rewards ``beta * (logp - ref)``."""
     chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
-    delta = chosen_ratio - rejected_ratio
-    if kind == "sigmoid":
-        loss = (-F.logsigmoid(beta * delta) * (1 - label_smoothing)
-                - F.logsigmoid(-beta * delta) * label_smoothing)
-    elif kind == "hinge":
-        loss = torch.relu(1 - beta * delta)
-    elif kind == "ipo":
-        loss = (delta - 1 / (2 * beta)) ** 2
-    else:
-        raise ValueError(f"unknown DPO loss {kind!r} (one of {', '.join(DPO_KINDS)})")
+    loss = DPO_LOSSES[kind](chosen_ratio - rejected_ratio, beta=beta, label_smoothing=label_smoothing)
     return loss, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+
+
+@DPO_LOSSES.register("sigmoid")
+def dpo_sigmoid(delta: Tensor, *, beta: float, label_smoothing: float = 0.0) -> Tensor:
+    """DPO (Rafailov et al. 2023) on the margin ``delta`` of log-ratios; ``label_smoothing``
+    gives cDPO."""
+    return (-F.logsigmoid(beta * delta) * (1 - label_smoothing)
+            - F.logsigmoid(-beta * delta) * label_smoothing)
+
+
+@DPO_LOSSES.register("hinge")
+def dpo_hinge(delta: Tensor, *, beta: float, label_smoothing: float = 0.0) -> Tensor:
+    """SLiC's hinge on the margin."""
+    return torch.relu(1 - beta * delta)
+
+
+@DPO_LOSSES.register("ipo", mean_logps=True)
+def dpo_ipo(delta: Tensor, *, beta: float, label_smoothing: float = 0.0) -> Tensor:
+    """IPO (Azar et al. 2023), on per-token *mean* log-probabilities, as the IPO authors and TRL
+    do, so ``beta`` does not depend on length."""
+    return (delta - 1 / (2 * beta)) ** 2
 
 
 # --- policy gradient -----------------------------------------------------------------------------
@@ -121,7 +162,6 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return torch.exp(d) - d - 1
 
 
-@register_loss("clip")
 def clip_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
                      clip_low: float = 0.2, clip_high: float = 0.2, agg: str = "token-mean",
                      ref_logprobs: Tensor | None = None, kl_coef: float = 0.0,
@@ -152,7 +192,6 @@ def clip_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
     return loss, stats
 
 
-@register_loss("value")
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *,
                clip: float | None = 0.2, agg: str = "token-mean") -> Tensor:
     """Clipped value-function loss ``0.5 * max((v - R)^2, (v_clip - R)^2)`` (PPO)."""
@@ -164,19 +203,15 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
 
 
 # --- advantages --------------------------------------------------------------------------------------
-@register_advantage("grpo")
+@ADVANTAGES.register("grpo")
 def group_advantages(rewards: Tensor, group_ids: Tensor, *, scale: str = "std",
                      eps: float = 1e-6) -> Tensor:
     """GRPO advantages: each reward minus its group's mean, divided by the group's std
     (``scale="std"``, unbiased, as GRPO and TRL) or not (``"none"``, Dr. GRPO). Groups are keyed
     by ``group_ids`` (any integers, any group sizes, any order); a group of one gets 0."""
     rewards = rewards.float()
-    _, inv = torch.unique(group_ids, return_inverse=True)
-    n_groups = int(inv.max()) + 1 if inv.numel() else 0
-    count = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device).index_add_(
-        0, inv, torch.ones_like(rewards))
-    mean = torch.zeros_like(count).index_add_(0, inv, rewards) / count
-    centred = rewards - mean[inv]
+    inv, count, total = _group_sums(rewards, group_ids)
+    centred = rewards - (total / count)[inv]
     if scale == "none":
         adv = centred
     elif scale == "std":
@@ -187,7 +222,33 @@ def group_advantages(rewards: Tensor, group_ids: Tensor, *, scale: str = "std",
     return torch.where(count[inv] > 1, adv, torch.zeros_like(adv))
 
 
-@register_advantage("gae")
+@ADVANTAGES.register("dr-grpo")
+def dr_grpo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """Dr. GRPO (Liu et al. 2025): the reward minus its group's mean, not divided by the std."""
+    return group_advantages(rewards, group_ids, scale="none")
+
+
+@ADVANTAGES.register("rloo")
+def rloo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """RLOO (Ahmadian et al. 2024): the reward minus the mean of the *other* rewards of its
+    group; a group of one gets 0."""
+    rewards = rewards.float()
+    inv, count, total = _group_sums(rewards, group_ids)
+    n = count[inv]
+    adv = rewards - (total[inv] - rewards) / (n - 1).clamp(min=1.0)
+    return torch.where(n > 1, adv, torch.zeros_like(adv))
+
+
+def _group_sums(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(dense group index per row, rows per group, reward sum per group)."""
+    _, inv = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(inv.max()) + 1 if inv.numel() else 0
+    count = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device).index_add_(
+        0, inv, torch.ones_like(rewards))
+    return inv, count, torch.zeros_like(count).index_add_(0, inv, rewards)
+
+
+@ADVANTAGES.register("gae", needs_values=True)
 def gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0,
         lam: float = 0.95) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation over ``[B, T]`` token rewards and values that skips

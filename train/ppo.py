@@ -1,31 +1,33 @@
 """PPO: the GRPO machinery (offline groups or online rounds) with a learned value head and GAE.
 
-With ``value_head: true`` (default) a linear head on the policy's last hidden state predicts,
-at each token, the return from there on; the trajectory's reward sits on its last trainable
-token, and GAE runs over the policy's own tokens only (observation and prompt tokens are skipped,
-neither discounting nor bootstrapping). Advantages are whitened over the batch's loss tokens.
-The value targets come from the head's values at the update (``old_values`` = the same values,
-detached), so the value clip only acts within one batch. ``value_head: false`` gives group
-advantages instead (GRPO's estimator under PPO's name). The head is saved next to the policy as
+``advantage:`` names the estimator in :data:`train.losses.ADVANTAGES`. With one that needs
+values (``gae``, the default) a linear head on the policy's last hidden state predicts, at each
+token, the return from there on; the trajectory's reward sits on its last trainable token, and
+GAE runs over the policy's own tokens only (observation and prompt tokens are skipped, neither
+discounting nor bootstrapping). Advantages are whitened over the batch's loss tokens. The value
+targets come from the head's values at the update (``old_values`` = the same values, detached),
+so the value clip only acts within one batch. A group estimator (``grpo``, ``dr-grpo``,
+``rloo``) needs no head: GRPO under PPO's name. The head is saved next to the policy as
 ``value_head.safetensors``; the policy folder itself is an ordinary HF model.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import Field
 
-from .common import Reference, forward, pad_id
-from .grpo import GRPOConfig, grpo_loss_fn, make_source, policy_loss, with_stats
-from .losses import gae, sequence_logprobs, value_loss
+from .common import AdvantageName, Reference, forward, pad_id
+from .grpo import GRPOConfig, grpo_loss_fn, make_source, needs_values, policy_loss, with_stats
+from .losses import ADVANTAGES, sequence_logprobs, value_loss
 from .runtime import Runner, is_peft, load_model, load_weights
 
 HEAD_FILE = "value_head.safetensors"
 
 
 class PPOConfig(GRPOConfig):
-    value_head: bool = True
+    advantage: AdvantageName = "gae"  # a name in train.losses.ADVANTAGES; gae trains a value head
+    value_estimators: ClassVar[bool] = True
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(0.95, ge=0, le=1)
     vf_coef: float = Field(0.1, ge=0)
@@ -75,8 +77,11 @@ def load_value_model(model: Any, folder: str) -> None:
 
 
 def ppo_loss_fn(cfg: PPOConfig, reference: Reference | None):
-    """Clipped policy loss with GAE advantages plus ``vf_coef`` x the clipped value loss."""
+    """Clipped policy loss with the value-based estimator's advantages (GAE) plus ``vf_coef`` x
+    the clipped value loss."""
     import torch
+
+    estimate = ADVANTAGES[cfg.advantage]
 
     def loss_fn(model: Any, batch: dict[str, Any]) -> tuple[Any, dict[str, float]]:
         out = forward(model.lm, batch, output_hidden_states=True)
@@ -89,7 +94,7 @@ def ppo_loss_fn(cfg: PPOConfig, reference: Reference | None):
         rewards = torch.zeros_like(values)
         rewards[torch.arange(len(last), device=mask.device), last] = batch["rewards"]
         with torch.no_grad():
-            adv, ret = gae(rewards, values.detach(), mask, gamma=cfg.gamma, lam=cfg.lam)
+            adv, ret = estimate(rewards, values.detach(), mask, gamma=cfg.gamma, lam=cfg.lam)
             if cfg.whiten:
                 n = mask.sum().clamp(min=1)
                 mean = (adv * mask).sum() / n
@@ -107,7 +112,7 @@ def build(cfg: PPOConfig) -> Runner:
     lm, tok = load_model(cfg)
     source, total = make_source(cfg, lm, tok)
     reference = Reference(lm) if cfg.kl_coef else None
-    if not cfg.value_head:
+    if not needs_values(cfg.advantage):
         return Runner(cfg, lm, grpo_loss_fn(cfg, reference), source, with_stats(source, pad_id(tok)),
                       tokenizer=tok, kind="ppo", total_steps=total)
     model = value_model(lm)

@@ -1,9 +1,9 @@
 """SFT: masked NLL on the trainable (assistant) tokens of exported trajectories, optionally packed."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
-from .common import make_builder, pad_id, policy_logprobs
+from .common import AggregationName, make_builder, pad_id, policy_logprobs
 from .data import collate, collate_packed, load_sft, pack
 from .losses import nll_loss
 from .runtime import ListSource, Runner, TrainConfig, TrainError, load_model
@@ -11,9 +11,7 @@ from .runtime import ListSource, Runner, TrainConfig, TrainError, load_model
 
 class SFTConfig(TrainConfig):
     packing: bool = False  # pack sequences into rows of max_length (no cross-attention)
-    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
-
-
+    agg: AggregationName = "token-mean"  # a name in train.losses.AGGREGATIONS
 
 def sft_loss(agg: str = "token-mean"):
     """``loss_fn(model, batch)`` for the Runner."""
