@@ -116,3 +116,13 @@ def test_grpo_is_skipped_when_every_group_is_flat(tmp_path):
     pd.DataFrame({"group_id": ["a", "a", "b", "b"], "reward": [0.0, 0.0, 0.0, 1.0]}).to_parquet(
         data / "grpo.parquet")
     assert not _all_groups_flat(data / "grpo.parquet")
+
+
+def test_the_loop_module_calls_functions_and_loads_no_torch_until_a_trainer_runs():
+    """``omrl --help`` imports every command module: train.loop must not pull torch in (the
+    trainers are imported when one runs), nor the CLI (stages call Python functions, not argv)."""
+    code = ("import sys, train.loop; "
+            "print(sorted(m for m in ('torch', 'omrl_search.cli', 'pandas') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         check=True).stdout.strip()
+    assert out == "[]"

@@ -4,19 +4,22 @@
 [--set key=value ...] [--resume]``: settings come from the trainer's defaults, then the YAML
 file, then the flags, then ``--set`` (dotted keys: ``--set lora.r=16``). A bad setting or data
 row prints one line (``file:row: reason`` for data) and exits with status 2, writing nothing.
-``prm`` is provided by :mod:`train.prm` when present (its own flags).
+``prm`` is :mod:`train.prm` (its own flags).
 """
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from typing import Any
 
-#: trainer name -> (module, config class)
-TRAINERS = {"sft": ("train.sft", "SFTConfig"), "dpo": ("train.dpo", "DPOConfig"),
-            "grpo": ("train.grpo", "GRPOConfig"), "ppo": ("train.ppo", "PPOConfig")}
+from omrl_search.policy import PolicyError
+
+from . import prm
+from .config import TrainError, _override_items
+
+#: the policy trainers' help lines; :data:`train.trainers.TRAINERS` has the trainers themselves
+#: (imported only when one runs: they import torch)
 HELP = {"sft": "supervised fine-tuning on SFT rows (masked NLL, optional packing)",
         "dpo": "DPO / IPO / hinge on sibling pairs",
         "grpo": "GRPO on exported groups, or online / iterative with the search engine",
@@ -25,15 +28,6 @@ HELP = {"sft": "supervised fine-tuning on SFT rows (masked NLL, optional packing
 #: flag -> config key
 FLAGS = {"model": "model", "data": "data", "out": "out", "max_steps": "max_steps", "lr": "lr",
          "batch_size": "batch_size", "grad_accum": "grad_accum", "seed": "seed"}
-
-
-def _prm() -> Any:
-    try:
-        return importlib.import_module("train.prm")
-    except ModuleNotFoundError as exc:
-        if exc.name != "train.prm":
-            raise
-        return None
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -54,11 +48,9 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="trainer", required=True)
-    for name in TRAINERS:
-        _common(sub.add_parser(name, help=HELP[name], description=HELP[name]))
-    prm = _prm()
-    if prm is not None:
-        prm.configure(sub.add_parser("prm", help=(prm.__doc__ or "prm").strip().splitlines()[0]))
+    for name, text in HELP.items():
+        _common(sub.add_parser(name, help=text, description=text))
+    prm.configure(sub.add_parser("prm", help=(prm.__doc__ or "prm").strip().splitlines()[0]))
 
 
 def overrides(args: argparse.Namespace) -> list[str] | dict[str, Any]:
@@ -71,8 +63,6 @@ def overrides(args: argparse.Namespace) -> list[str] | dict[str, Any]:
         out["resume"] = True
     if getattr(args, "no_progress", False):
         out["progress"] = False
-    from .config import _override_items
-
     for key, value in _override_items(args.set):
         out[key] = value
     return out
@@ -80,16 +70,13 @@ def overrides(args: argparse.Namespace) -> list[str] | dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     if args.trainer == "prm":
-        return _prm().run(args)
-    from omrl_search.policy import PolicyError
+        return prm.run(args)
+    from .trainers import TRAINERS  # torch: only when a trainer runs
 
-    from .config import TrainError
-
-    module, cls_name = TRAINERS[args.trainer]
+    trainer = TRAINERS[args.trainer]
     try:
-        mod = importlib.import_module(module)
-        cfg = getattr(mod, cls_name).from_sources(args.config, overrides(args))
-        last = mod.train(cfg)
+        cfg = trainer.config.from_sources(args.config, overrides(args))
+        last = trainer.train(cfg)
     except (TrainError, PolicyError) as exc:
         print(f"omrl train: error: {exc}", file=sys.stderr)
         return 2

@@ -13,8 +13,13 @@ evaluates the base policy; each round ``r`` then
 4. ``policy`` — trains the policy from the current one: the ``first`` trainers in round 1
    (SFT), the ``then`` trainers later (DPO and/or GRPO). A trainer with no rows is skipped,
    and the skip is recorded;
-5. ``eval`` — ``omrl bench`` of every eval strategy on the test split at fixed budgets, with the
-   round's policy and PRM; ``round_R/report.md`` holds the table of every round so far.
+5. ``eval`` — :func:`omrl_search.bench.bench` of every eval strategy on the test split at fixed
+   budgets, with the round's policy and PRM; ``round_R/report.md`` holds the table of every
+   round so far.
+
+Every stage calls Python functions (``search_many``, ``label_results``, ``export``, the trainers
+of :data:`train.trainers.TRAINERS`, ``bench``, the HTML report's ``collect``/``render``), never
+the command line.
 
 Each stage works in ``NAME.partial/`` and becomes ``NAME/`` (with ``stage.json``) only when it has
 finished, so a loop killed anywhere and started again with the same command redoes only the
@@ -34,7 +39,28 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
+import omrl_search as om
+from omrl_search.bench import bench, parse_budgets, split_strategies
+from omrl_search.budget import Budget
+from omrl_search.env import env_class
+from omrl_search.exports import ExportError, export
+from omrl_search.policy import PolicyError, make_policy
+from omrl_search.report import collect, render
+from omrl_search.result import read_results, write_text_atomic
+from omrl_search.strategy import make_strategy
+from omrl_search.types import SamplingParams
+from reward_models.label_files import write_labels
+from reward_models.labels import label_results, summarize_rows
+
+from . import prm as prm_trainer
+from .config import TrainError, settings_from_sources
+
+#: the trainers a round can run: the kinds ``omrl export`` writes from search trees
 TRAINERS = ("sft", "dpo", "grpo")
+#: the loop's completion tokens per step, in every search and evaluation: a loop setting, shorter
+#: than the search default (:data:`omrl_search.types.DEFAULT_MAX_TOKENS`) so rounds on a CPU stay
+#: short; the loop's measured runs used it (``--max-tokens`` / ``max_tokens:`` change it)
+LOOP_MAX_TOKENS = 48
 
 
 class LoopConfig(BaseModel):
@@ -44,7 +70,7 @@ class LoopConfig(BaseModel):
     rounds: int = Field(2, ge=1)
     out: str = "runs/loop"
     seed: int = 0
-    max_tokens: int = Field(48, ge=1)  # completion tokens per step, in every search
+    max_tokens: int = Field(LOOP_MAX_TOKENS, ge=1)  # completion tokens per step, in every search
     temperature: float = Field(1.0, ge=0)
     # search on the train split
     train_limit: int = Field(64, ge=1)
@@ -73,11 +99,6 @@ class LoopConfig(BaseModel):
 
     def check(self) -> None:
         """Cross-field checks, as one-line errors."""
-        from omrl_search.bench import parse_budgets, split_strategies
-        from omrl_search.budget import Budget
-        from omrl_search.env import env_class
-        from omrl_search.strategy import make_strategy
-
         env_class(self.env)
         make_strategy(self.search_strategy)
         Budget.parse(self.search_budget)
@@ -134,8 +155,6 @@ class Run:
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    from omrl_search.result import write_text_atomic
-
     write_text_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
 
 
@@ -144,18 +163,8 @@ def policy_spec(model: str) -> str:
     return model if model == "smollm2" else f"hf:{model}"
 
 
-def _cli(argv: list[str]) -> None:
-    from omrl_search.cli import main
-
-    if main(argv) != 0:
-        raise LoopError(f"`omrl {' '.join(argv)}` failed (see the message above)")
-
-
 def search_stage(cfg: LoopConfig, r: int, model: str, prm: str | None) -> Callable[[Path], dict]:
     def run(d: Path) -> dict[str, Any]:
-        import omrl_search as om
-        from omrl_search.types import SamplingParams
-
         tasks = om.load_tasks(cfg.env, "train", cfg.train_limit)
         sampling = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens)
         results = om.search_many(tasks, strategy=cfg.search_strategy, policy=policy_spec(model),
@@ -181,12 +190,6 @@ def _search_files(cfg: LoopConfig, r: int) -> list[Path]:
 
 def labels_stage(cfg: LoopConfig, r: int, model: str) -> Callable[[Path], dict]:
     def run(d: Path) -> dict[str, Any]:
-        from omrl_search.policy import make_policy
-        from omrl_search.result import read_results
-        from omrl_search.types import SamplingParams
-        from reward_models.label_files import write_labels
-        from reward_models.labels import label_results, summarize_rows
-
         results = [res for f in _search_files(cfg, r) for res in read_results(f)]
         policy = make_policy(policy_spec(model)) if cfg.label_rollouts else None
         rows = label_results(results, policy=policy, rollouts=cfg.label_rollouts, seed=cfg.seed + r,
@@ -200,8 +203,6 @@ def labels_stage(cfg: LoopConfig, r: int, model: str) -> Callable[[Path], dict]:
 
 def prm_stage(cfg: LoopConfig, r: int) -> Callable[[Path], dict]:
     def run(d: Path) -> dict[str, Any]:
-        from . import prm as prm_trainer
-
         folders = [str(cfg_path(cfg, k, "labels")) for k in range(1, r + 1)
                    if any(cfg_path(cfg, k, "labels").glob("*.parquet"))]
         if not folders:
@@ -217,8 +218,6 @@ def prm_stage(cfg: LoopConfig, r: int) -> Callable[[Path], dict]:
 
 def data_stage(cfg: LoopConfig, r: int) -> Callable[[Path], dict]:
     def run(d: Path) -> dict[str, Any]:
-        from omrl_search.exports import ExportError, export
-
         sources = _search_files(cfg, r)
         rows: dict[str, Any] = {}
         for kind in TRAINERS:
@@ -234,7 +233,7 @@ def data_stage(cfg: LoopConfig, r: int) -> Callable[[Path], dict]:
 
 def policy_stage(cfg: LoopConfig, r: int, model: str) -> Callable[[Path], dict]:
     def run(d: Path) -> dict[str, Any]:
-        import importlib
+        from .trainers import TRAINERS as trainers  # torch: imported when a trainer runs, not by `omrl --help`
 
         data = cfg_path(cfg, r, "data")
         current, trained = model, []
@@ -247,13 +246,13 @@ def policy_stage(cfg: LoopConfig, r: int, model: str) -> Callable[[Path], dict]:
                 trained.append({"trainer": kind, "skipped": "every group's rewards are equal (no signal)"})
                 continue
             out = d / kind
-            mod = importlib.import_module(f"train.{kind}")
+            trainer = trainers[kind]
             settings = {**cfg.trainer_settings.get(kind, {}), "model": current, "data": [str(path)],
                         "out": str(out), "seed": cfg.seed + r, "save_every": cfg.save_every,
                         "resume": True, "progress": cfg.progress}
-            conf = getattr(mod, f"{kind.upper()}Config").from_sources(None, settings)
+            conf = trainer.config.from_sources(None, settings)
             if not (out / "omrl-train.json").exists():  # not finished before a restart
-                mod.train(conf)
+                trainer.train(conf)
             last = _last_metrics(out)
             current = str(cfg_path(cfg, r, "policy") / kind)
             trained.append({"trainer": kind, "model": current,
@@ -265,10 +264,12 @@ def policy_stage(cfg: LoopConfig, r: int, model: str) -> Callable[[Path], dict]:
 def _all_groups_flat(path: Path) -> bool:
     """Whether no GRPO group has two different rewards: group-relative advantages are then all
     zero and a GRPO stage would only spend time."""
-    import pandas as pd
+    import pyarrow.parquet as pq  # 0.4 s that `omrl --help` (it imports this module) need not pay
 
-    rows = pd.read_parquet(path, columns=["group_id", "reward"])
-    return bool((rows.groupby("group_id")["reward"].nunique() <= 1).all())
+    spread: dict[Any, set[float]] = {}
+    for row in pq.read_table(path, columns=["group_id", "reward"]).to_pylist():
+        spread.setdefault(row["group_id"], set()).add(row["reward"])
+    return all(len(rewards) <= 1 for rewards in spread.values())
 
 
 def _last_metrics(out: Path) -> dict[str, Any]:
@@ -278,17 +279,11 @@ def _last_metrics(out: Path) -> dict[str, Any]:
 
 def eval_stage(cfg: LoopConfig, model: str, prm: str | None) -> Callable[[Path], dict]:
     def run(d: Path) -> dict[str, Any]:
-        argv = ["bench", "--env", cfg.env, "--split", "test", "--limit", str(cfg.test_limit),
-                "--policy", policy_spec(model), "--strategies", cfg.eval_strategies,
-                "--budgets", cfg.eval_budgets, "--seed", str(cfg.seed), "--max-tokens",
-                str(cfg.max_tokens), "--temperature", str(cfg.temperature), "--save-trees",
-                "--out", str(d)]
-        if prm:
-            argv += ["--reward-model", f"prm:{prm}"]
-        if not cfg.progress:
-            argv.append("--no-progress")
-        _cli(argv)
-        summary = json.loads((d / "summary.json").read_text())
+        summary = bench(om.load_tasks(cfg.env, "test", cfg.test_limit), cfg.eval_strategies,
+                        cfg.eval_budgets, policy=policy_spec(model),
+                        reward_model=f"prm:{prm}" if prm else None, seed=cfg.seed,
+                        max_tokens=cfg.max_tokens, temperature=cfg.temperature, out=d,
+                        save_trees=True, progress=cfg.progress)
         return {"policy": policy_spec(model), "prm": prm,
                 "success": {name: {b: s["success_rate"] for b, s in per.items()}
                             for name, per in summary["strategies"].items()}}
@@ -320,8 +315,8 @@ def run_loop(cfg: LoopConfig) -> dict[str, Any]:
         info["eval"] = run.stage(f"round_{r}/eval", eval_stage(cfg, model, prm))
         history.append(info)
         text = round_report(cfg, history)
-        (run.root / f"round_{r}" / "report.md").write_text(text)
-        (run.root / "report.md").write_text(text)
+        write_text_atomic(run.root / f"round_{r}" / "report.md", text)
+        write_text_atomic(run.root / "report.md", text)
     return {h["round"]: h["eval"]["success"] for h in history}
 
 
@@ -372,8 +367,6 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> LoopConfig:
-    from .config import settings_from_sources
-
     flags = {k: getattr(args, k) for k in (*FLAGS, "eval_strategies", "eval_budgets")
              if getattr(args, k, None) is not None}
     if args.no_prm:
@@ -384,11 +377,14 @@ def config_from_args(args: argparse.Namespace) -> LoopConfig:
     return settings_from_sources(LoopConfig, None, {**base.model_dump(), **flags})
 
 
+def html_report(root: Path) -> Path:
+    """``root/report.html``: the page ``omrl report`` makes (plots, rounds, trees)."""
+    page = root / "report.html"
+    write_text_atomic(page, render(collect(root)))
+    return page
+
+
 def run(args: argparse.Namespace) -> int:
-    from omrl_search.policy import PolicyError
-
-    from .config import TrainError
-
     try:
         cfg = config_from_args(args)
         run_loop(cfg)
@@ -396,8 +392,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"omrl loop: error: {exc}", file=sys.stderr)
         return 2
     print((Path(cfg.out) / "report.md").read_text())
-    from omrl_search.cli import main
-
-    if main(["report", cfg.out]) != 0:  # the HTML page: plots, rounds, trees
-        return 2
+    print(f"wrote {html_report(Path(cfg.out))}")
     return 0
