@@ -33,7 +33,9 @@ SCHEDULES = ("continuous", "lockstep")
 
 
 class LMWait:
-    """One tree's expand or ask waiting on the policy."""
+    """One tree's expand or ask (``op``) waiting on the policy: its ``requests``, what the
+    engine keeps per request for the answer (``work``: an expand request's context ids) and,
+    as they come back, the generations (or the exception) of each."""
 
     __slots__ = ("i", "op", "work", "requests", "gens", "left")
 

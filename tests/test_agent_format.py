@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from omrl_search.agent import ReActFormat, TurnEncoder
 from omrl_search.policy import ByteChatTokenizer
+from omrl_search.prompts import Prompts
 
 F = ReActFormat()
 
@@ -63,3 +64,59 @@ def test_prompt_and_error_show_each_env_action_help_once():
         first = F.first_messages(env, env.tasks("test", limit=1)[0], "obs")
         assert first[1]["content"].count("Actions:") == 1, name
         assert F.parse("no action here", help_).error.count("Actions:") == 1, name
+
+
+class Terse(ReActFormat):
+    """A format with its own prompts: one short first turn, no system message."""
+
+    def prompts(self, env, task, tree, encoder):
+        return TersePrompts(self, encoder, env, task, tree)
+
+
+class TersePrompts(Prompts):
+    def messages(self, node):
+        if node.parent is None:
+            return [{"role": "user", "content": f"Solve: {node.observation}"}]
+        return super().messages(node)
+
+
+def test_a_format_changes_the_prompts_without_touching_the_engine():
+    import omrl_search as om
+    from helpers import Recording
+    from omrl_search.engine import Engine
+
+    policy = Recording(p=0.0)
+    tasks = om.load_tasks("game24", "test", limit=3)
+    results = Engine(policy, agent_format=Terse()).run(om.make_strategy("react"), tasks)
+    sent = [req for batch in policy.batches for req in batch]
+    assert sent and all(r.messages[0]["role"] == "user" and r.messages[0]["content"].startswith("Solve: ")
+                        for r in sent)
+    assert {len(r.messages) for r in sent} == {1, 3, 5}  # the chat grows by two turns a step
+    firsts = {r.meta["task"].task_id: r.prompt_ids for r in sent if len(r.messages) == 1}
+    for req in sent:  # the token ids come from the format's messages too
+        first = firsts[req.meta["task"].task_id]
+        assert req.prompt_ids[:len(first)] == first
+    for r in results:
+        chat = [{"role": "user", "content": f"Solve: {r.tree.root.observation}"}]
+        assert firsts[r.task.task_id] == policy.tokenizer.encode(
+            policy.tokenizer.render(chat, add_generation_prompt=True))
+    assert all(r.success and not r.faults for r in results)
+
+
+def test_prompts_parse_a_completion_into_a_step():
+    import omrl_search as om
+
+    env = om.make_env("game24")
+    task = env.tasks("test", limit=1)[0]
+    tree = om.SearchTree(task, env.reset(task), env.snapshot())
+    prompts = F.prompts(env, task, tree, TurnEncoder(ByteChatTokenizer()))
+    step, error = prompts.parse(om.Generation("Think: t\nAct: 4 * 6", [1, 2], [-0.1, -0.2], 5, 2), [7])
+    assert (step.thought, step.action, step.context_ids, step.completion_ids, error) == (
+        "t", "4 * 6", [7], [1, 2], "")
+    step, error = prompts.parse(om.Generation("no action", [3], None, 5, 1), None)
+    assert error.startswith("Invalid format") and env.action_help in error
+    messages, ids = prompts.ask("Say sure.")
+    assert messages == [{"role": "user", "content": "Say sure."}] and ids == prompts.encoder.first_prompt(messages)
+    messages, context_ids, prompt_ids = prompts.step(tree.root, "a note")
+    assert messages[-1]["content"].endswith("a note") and context_ids == prompt_ids
+    assert prompts.messages(tree.root)[-1]["content"].endswith(tree.root.observation)  # cache unchanged

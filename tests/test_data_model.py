@@ -63,3 +63,35 @@ def test_aggregations():
     assert om.aggregate([0.5, 1.0], "mean") == 0.75
     with pytest.raises(ValueError):
         om.aggregate([1.0], "max")
+
+
+def test_unique_states_keeps_the_first_of_each_state():
+    from omrl_search.tree import DUPLICATE, FAILED, PRUNED, Node, unique_states
+
+    def node(i, key, status="open"):
+        return Node(i, 0, 1, "", state_key=key, status=status)
+
+    a, b, c, bad, old, d = (node(1, "x"), node(2, "y"), node(3, "x"), node(4, "", FAILED),
+                            node(5, "z", PRUNED), node(6, "w"))
+    assert unique_states([a, b, c, bad, old]) == [a, b]
+    assert (c.status, c.error) == (PRUNED, DUPLICATE) and bad.status == FAILED and old.error == ""
+    seen = {"w"}  # e.g. the states of a node's existing children
+    e, f = node(7, "y"), node(8, "v")
+    assert unique_states([d, e, bad, f], seen, keep_failed=True) == [e, bad, f]
+    assert d.status == PRUNED and seen == {"w", "y", "v"}
+
+
+def test_charge_lm_counts_one_call_the_prompt_once_and_every_completion():
+    b = om.Budget()
+    gens = [om.Generation("a", [1], None, 10, 3), om.Generation("b", [2], None, 10, 4)]
+    b.charge_lm(gens)
+    b.charge_lm()  # a failed request still cost a call
+    assert (b.spent.lm_calls, b.spent.prompt_tokens, b.spent.completion_tokens) == (2, 10, 7)
+
+
+def test_default_completion_tokens_come_from_one_place():
+    from omrl_search.backends.scripted import OraclePolicy
+    from omrl_search.types import DEFAULT_MAX_TOKENS
+
+    assert om.Engine(OraclePolicy()).sampling.max_tokens == DEFAULT_MAX_TOKENS
+    assert om.SamplingParams().max_tokens == DEFAULT_MAX_TOKENS

@@ -182,3 +182,74 @@ def test_rm_selection_scores_the_chains_a_spent_token_budget_left():
         leaves = [n for n in r.tree.leaves() if n.parent is not None]
         assert leaves and all(n.score is not None for n in leaves)
         assert r.spent["rm_calls"] == len(leaves)
+
+
+# --- the env driver: truncation, restores --------------------------------------------------------
+def _counting_game24(truncate_at=None):
+    """Game24 envs that count restores and (optionally) cut every episode after ``truncate_at``
+    steps, claiming success on the cut step (which must not count)."""
+    cls = env_class("game24")
+    restores = []
+
+    class Counting(cls):
+        def restore(self, snapshot):
+            restores.append(snapshot.state_key)
+            return super().restore(snapshot)
+
+        def step(self, action):
+            res = super().step(action)
+            if truncate_at is not None and self.state.steps >= truncate_at and not res.terminated:
+                return StepResult(res.observation, res.reward, terminated=False, truncated=True,
+                                  info=res.info, success=True, valid=res.valid)
+            return res
+
+    return Counting, restores
+
+
+def test_a_truncated_step_ends_its_branch_without_success():
+    cls, _ = _counting_game24(truncate_at=1)
+    results = om.search_many(TASKS[:6], strategy="best_of_n:n=3", policy="scripted:oracle:p=0.5",
+                             env_factory=lambda name: cls())
+    cut = [n for r in results for n in r.tree.nodes if n.error == "truncated"]
+    assert cut and all(n.terminal and n.status == "terminal" and not n.success and not n.children
+                       and n.step.done for n in cut)
+    assert all(not r.success for r in results) and all(n.depth == 1 for r in results for n in r.tree.nodes[1:])
+
+
+def test_the_env_is_restored_only_when_it_holds_another_state():
+    cls, restores = _counting_game24()
+    results = om.search_many(TASKS[:5], strategy="react", policy="scripted:oracle:p=0.3",
+                             env_factory=lambda name: cls())
+    assert restores == [] and sum(r.spent["env_steps"] for r in results) > 5  # a chain never restores
+    results = om.search_many(TASKS[:5], strategy="best_of_n:n=3", policy="scripted:oracle:p=0.3",
+                             env_factory=lambda name: cls())
+    siblings = sum(len(r.tree.root.children) - 1 for r in results)
+    assert len(restores) >= siblings > 0  # each further first step starts from the root again
+
+
+def test_a_strategy_awaiting_something_else_loses_only_its_own_task():
+    class Wrong(om.Strategy):
+        name = "wrong"
+
+        async def run(self, ctx):
+            if ctx.task.task_id == TASKS[0].task_id:
+                from omrl_search.ops import Op
+
+                class NotAnOp(Op):
+                    __slots__ = ("ctx",)
+
+                    def __init__(self, ctx):
+                        self.ctx = ctx
+
+                await NotAnOp(ctx)
+            await ctx.rollout([ctx.root])
+
+        def select(self, ctx):
+            return ctx.tree.nodes[-1]
+
+        def spec(self):
+            return "wrong"
+
+    results = om.Engine(OraclePolicy(0.0)).run(Wrong(), TASKS[:3])
+    assert results[0].stop_reason == "error" and "not an engine op" in results[0].faults[0]
+    assert all(r.success and not r.faults for r in results[1:])
