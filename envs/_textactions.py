@@ -17,8 +17,10 @@ import re
 import threading
 from typing import Any, Callable, ClassVar, NamedTuple
 
-from omrl_search.env import Env, EnvError, stable_hash
+from omrl_search.env import stable_hash
 from omrl_search.types import StepResult, Task
+
+from ._text_env import TextEnv, episode_over, step_result
 
 _ACTION_RE = re.compile(r"^([a-z_]+)\s*(?::(.*)|\((.*)\)|[.!]?)$", re.IGNORECASE | re.DOTALL)
 
@@ -89,40 +91,36 @@ def split_values(text: str) -> list[list[str]]:
     return [[norm_cell(c) for c in re.split(r"[,|]", r)] for r in rows]
 
 
-class ActionEnv(Env):
+class ActionEnv(TextEnv):
     """Base of the envs driven by ``verb: arguments`` actions.
 
     ``self.state`` is a NamedTuple with (at least) the fields ``spec`` (the task, static and
-    shared between states: it has a ``key``), ``steps``, ``limit``, ``done``, ``success``,
-    ``answer`` and ``note`` (the message of the last action). A subclass lists its ``verbs``
+    shared between states: it has a ``key``), ``steps``, ``limit``, ``done``, ``truncated``,
+    ``success``, ``answer`` and ``note`` (the message of the last action). A subclass lists its ``verbs``
     and implements ``do_<verb>(arg) -> Outcome``, which must not change ``self.state`` itself.
     """
 
     verbs: ClassVar[dict[str, str]] = {}
-    state: Any = None
 
     def step(self, action: str) -> StepResult:
         s = self._require()
         if s.done:
-            info = {"valid": False, "success": s.success, "answer": s.answer}
-            return StepResult("Invalid action: the episode is over.", 0.0, True, info=info)
+            return episode_over(s)
         try:
             verb, arg = parse_action(action, self.verbs)
             out = getattr(self, f"do_{verb}")(arg)
         except ActionError as exc:
-            out = Outcome(f"Invalid action: {exc}. {self.action_help}", valid=False)
+            out = Outcome(self.invalid_note(str(exc)), valid=False)
         steps = s.steps + 1
         success, answer = out.final or (False, "")
         done, note = out.final is not None, out.text
-        if not done and steps >= s.limit:
+        truncated = not done and steps >= s.limit
+        if truncated:
             done = True
             note += f"\nOut of steps ({s.limit}); the task is not finished."
-        self.state = s._replace(steps=steps, done=done, success=success, answer=answer,
-                                note=note, **(out.changes or {}))
-        info: dict[str, Any] = {"valid": out.valid}
-        if done:
-            info.update(success=success, answer=answer)
-        return StepResult(self.observe(), 1.0 if success else 0.0, done, info=info)
+        self.state = s._replace(steps=steps, done=done, truncated=truncated, success=success,
+                                answer=answer, note=note, **(out.changes or {}))
+        return step_result(self.state, self.observe(), 1.0 if success else 0.0, valid=out.valid)
 
     def observe(self) -> str:
         s = self._require()
@@ -139,11 +137,6 @@ class ActionEnv(Env):
     def state_key(self) -> str:
         self._require()
         return stable_hash(self.position())
-
-    def _require(self) -> Any:
-        if self.state is None:
-            raise EnvError("reset() must be called first")
-        return self.state
 
 
 class SeededTasks:

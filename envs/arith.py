@@ -16,8 +16,10 @@ from fractions import Fraction
 from functools import lru_cache
 from typing import Any, NamedTuple
 
-from omrl_search.env import Env, EnvError, ValueSnapshots
+from omrl_search.env import ValueSnapshots
 from omrl_search.types import StepResult, Task
+
+from ._text_env import TextEnv, episode_over, step_result
 
 Number = int | Fraction
 
@@ -34,6 +36,7 @@ class ArithState(NamedTuple):
     steps: int = 0
     limit: int = 6
     done: bool = False
+    truncated: bool = False  # ended by the step limit
     success: bool = False
     answer: str = ""
     note: str = ""  # the message of the last step, shown above the numbers
@@ -225,7 +228,7 @@ def eval_expression(text: str) -> tuple[Fraction, list[int]]:
 
 
 # --- the env ---------------------------------------------------------------------------------
-class ArithmeticEnv(ValueSnapshots, Env):
+class ArithmeticEnv(ValueSnapshots, TextEnv):
     """Reach ``target`` from the task's numbers, combining two numbers per step.
 
     Task ``data``: ``{"numbers": [ints], "target": int}``. Subclasses provide ``tasks``,
@@ -278,8 +281,7 @@ class ArithmeticEnv(ValueSnapshots, Env):
     def step(self, action: str) -> StepResult:
         s = self._require()
         if s.done:
-            info = {"valid": False, "success": s.success, "answer": s.answer}
-            return StepResult("Invalid action: the episode is over.", 0.0, True, info=info)
+            return episode_over(s)
         text = action.strip().strip("`'\"").strip().rstrip(".!").strip()
         m = _ANSWER_RE.match(text)
         if m:
@@ -324,18 +326,13 @@ class ArithmeticEnv(ValueSnapshots, Env):
         return None if move is None else f"{fmt(move[0])} {move[1]} {fmt(move[2])}"
 
     # --- helpers ---------------------------------------------------------------------------
-    def _require(self) -> ArithState:
-        if self.state is None:
-            raise EnvError("reset() must be called first")
-        return self.state
-
     def _advance(self, *, numbers=None, note: str, valid: bool = True, answer: str | None = None,
                  success: bool = False) -> StepResult:
         """Count a step, apply the changes and end the episode when it is over."""
         s = self.state
         numbers = s.numbers if numbers is None else numbers
         steps = s.steps + 1
-        done = answer is not None or len(numbers) == 1
+        done, truncated = answer is not None or len(numbers) == 1, False
         if answer is None and len(numbers) == 1:
             answer, success = fmt(numbers[0]), numbers[0] == s.target
             if not success:
@@ -343,17 +340,14 @@ class ArithmeticEnv(ValueSnapshots, Env):
         if success:
             note += f"\nSolved: reached {fmt(s.target)}."
         elif not done and steps >= s.limit:
-            done, answer = True, ""
+            done, truncated, answer = True, True, ""
             note += f"\nOut of steps ({s.limit}); the puzzle is not solved."
-        self.state = s._replace(numbers=numbers, steps=steps, done=done, success=success,
-                                answer=answer or "", note=note)
-        info: dict[str, Any] = {"valid": valid}
-        if done:
-            info.update(success=success, answer=answer or "")
-        return StepResult(self.observe(), 1.0 if success else 0.0, done, info=info)
+        self.state = s._replace(numbers=numbers, steps=steps, done=done, truncated=truncated,
+                                success=success, answer=answer or "", note=note)
+        return step_result(self.state, self.observe(), 1.0 if success else 0.0, valid=valid)
 
     def _invalid(self, why: str) -> StepResult:
-        return self._advance(note=f"Invalid action: {why}. {self.action_help}", valid=False)
+        return self._advance(note=self.invalid_note(why), valid=False)
 
     def _answer(self, expr: str) -> StepResult:
         s = self.state

@@ -20,14 +20,16 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, NamedTuple
+from typing import Any
 
-from omrl_search.env import Env, EnvError, NativeSnapshots, register_env, stable_hash
+from omrl_search.env import NativeSnapshots, register_env, stable_hash
 from omrl_search.types import StepResult, Task
 
 from . import _babyai_text as text
 from ._optional import require
+from ._text_env import Episode, TextEnv, episode_over, step_result, take_split
 
 LEVELS = {  # gymnasium id -> step limit (text actions); the bot needs at most 14-25 primitive steps
     "BabyAI-GoToRedBallNoDists-v0": 20,
@@ -42,21 +44,16 @@ SPLIT_SEED = {"train": 0, "test": 1_000_000}  # first seed of each split (ranges
 _NOTES = {text.LEFT: "You turn left.", text.RIGHT: "You turn right."}
 
 
-class Turn(NamedTuple):
-    """What the env shows and knows after a step (immutable, so snapshots share it)."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Turn(Episode):
+    """What the env shows and knows after a step: the episode, the view and the bot's advice."""
 
-    observation: str
     view: text.View
     expert: str | None  # the bot's next action, as text
-    steps: int
-    limit: int
-    done: bool = False
-    success: bool = False
-    answer: str = ""
 
 
 @register_env("babyai")
-class BabyAIEnv(NativeSnapshots, Env):
+class BabyAIEnv(NativeSnapshots, TextEnv):
     """A BabyAI level in text: reach, pick up, open or place objects as the mission says."""
 
     description = ("BabyAI grid worlds in text: an agent in rooms with balls, boxes, keys and "
@@ -73,7 +70,7 @@ class BabyAIEnv(NativeSnapshots, Env):
     def __init__(self) -> None:
         self._sim: tuple[Any, Any] | None = None  # (unwrapped minigrid env, its BabyAIBot or None)
         self._shared = False  # whether ``_sim`` also belongs to a snapshot (copy before changing)
-        self._turn: Turn | None = None
+        self.state: Turn | None = None
         self._key: str | None = None  # state_key() of the current state, once computed
 
     # --- episode -----------------------------------------------------------------------------
@@ -84,35 +81,25 @@ class BabyAIEnv(NativeSnapshots, Env):
         self._sim, self._shared = (env, bot), False
         expert = self._advise(None)
         limit = task.data.get("max_steps") or LEVELS.get(level, self.max_steps)
-        self._turn, self._key = self._read("", expert, steps=0, limit=limit), None
+        self.state, self._key = self._read("", expert, steps=0, limit=limit), None
         return self.observe()
-
-    def observe(self) -> str:
-        return self._require().observation
 
     def step(self, action: str) -> StepResult:
         turn = self._require()
         if turn.done:
-            return StepResult("Invalid action: the episode is over.", 0.0, True,
-                              info={"valid": False, "success": turn.success, "answer": turn.answer})
+            return episode_over(turn)
         act = text.parse(action)
         plan = turn.view.plans.get(act) or ((text.PRIMITIVES[act],) if act in text.PRIMITIVES else None)
         if plan is None:
-            note = f"Invalid action: {text.why_not(act, turn.view)}. {self.action_help}"
+            note = self.invalid_note(text.why_not(act, turn.view))
             turn = turn._replace(steps=turn.steps + 1,
                                  observation=f"{note}\n{text.describe(turn.view)}")
-            status, expert = "", turn.expert
         else:
             status, expert, note = self._run(act, plan, turn)
             turn = self._read(note, expert, turn.steps + 1, turn.limit, status)
-        if not turn.done and turn.steps >= turn.limit:
-            turn = turn._replace(done=True, answer="unfinished", observation=(
-                f"{turn.observation}\nOut of steps ({turn.limit}); the mission is not completed."))
-        self._turn, self._key = turn, None
-        info: dict[str, Any] = {"valid": plan is not None}
-        if turn.done:
-            info.update(success=turn.success, answer=turn.answer)
-        return StepResult(turn.observation, 1.0 if turn.success else 0.0, turn.done, info=info)
+        turn = turn.at_limit(f"Out of steps ({turn.limit}); the mission is not completed.")
+        self.state, self._key = turn, None
+        return step_result(turn, turn.observation, 1.0 if turn.success else 0.0, valid=plan is not None)
 
     def valid_actions(self) -> list[str]:
         turn = self._require()
@@ -141,18 +128,13 @@ class BabyAIEnv(NativeSnapshots, Env):
         return (self._sim, turn)
 
     def load_native(self, payload: Any) -> None:
-        self._sim, self._turn = payload
+        self._sim, self.state = payload
         self._shared, self._key = True, None
 
     def close(self) -> None:
-        self._sim = self._turn = self._key = None
+        self._sim = self.state = self._key = None
 
     # --- helpers -----------------------------------------------------------------------------
-    def _require(self) -> Turn:
-        if self._turn is None:
-            raise EnvError("reset() must be called first")
-        return self._turn
-
     def _run(self, act: str, plan: tuple[int, ...], turn: Turn) -> tuple[str, str | None, str]:
         """Execute ``plan``'s primitive actions, telling the bot each one: (status, expert, note)."""
         if self._shared:
@@ -189,21 +171,21 @@ class BabyAIEnv(NativeSnapshots, Env):
     def _read(self, note: str, expert: str | None, steps: int, limit: int, status: str = "") -> Turn:
         env = self._sim[0]
         view = text.see(env)
-        if status:
+        if status:  # the level ended: solved, failed, or cut by minigrid's own step limit
             end = {"success": "You completed the mission!", "failure": "The mission failed.",
                    "timeout": "Out of time; the mission is not completed."}[status]
-            return Turn(f"{note}\n{end}".strip(), view, None, steps, limit, True,
-                        status == "success", "completed" if status == "success" else "failed")
+            return Turn(observation=f"{note}\n{end}".strip(), view=view, expert=None, steps=steps,
+                        limit=limit, done=True, truncated=status == "timeout",
+                        success=status == "success",
+                        answer="completed" if status == "success" else "failed")
         body = text.describe(view)
-        return Turn(f"{note}\n{body}" if note else body, view, expert, steps, limit)
+        return Turn(observation=f"{note}\n{body}" if note else body, view=view, expert=expert,
+                    steps=steps, limit=limit)
 
     # --- task sets ---------------------------------------------------------------------------
     @classmethod
     def tasks(cls, split: str, limit: int | None = None) -> list[Task]:
-        if split not in SPLIT_ROUNDS:
-            raise ValueError(f"unknown split {split!r} (known: train, test)")
-        tasks = _split_tasks(split)
-        return list(tasks[:limit] if limit is not None else tasks)
+        return take_split(split, limit, SPLIT_ROUNDS, _split_tasks)
 
     @classmethod
     def task_from_dict(cls, row: dict[str, Any]) -> Task:

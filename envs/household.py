@@ -20,14 +20,16 @@ import hashlib
 import os
 import re
 from collections import OrderedDict
+from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, NamedTuple
+from typing import Any
 
-from omrl_search.env import Env, EnvError, NativeSnapshots, register_env, stable_hash
+from omrl_search.env import NativeSnapshots, register_env, stable_hash
 from omrl_search.types import StepResult, Task
 
 from . import _textworld_games as tw
 from ._optional import check, require
+from ._text_env import Episode, TextEnv, episode_over, step_result, take_split
 
 SPLIT_ROUNDS = {"train": 40, "test": 2}  # seeds per (quest, level): 400 train and 20 test games
 SPLIT_SEED = {"train": 0, "test": 100_000}  # first seed of each split (ranges never overlap)
@@ -44,23 +46,18 @@ _INSTRUCTIONS = {
 }
 
 
-class Turn(NamedTuple):
-    """What the env shows and knows after a step (immutable, so snapshots share it)."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Turn(Episode):
+    """What the env shows and knows after a step: the episode and TextWorld's game state."""
 
-    observation: str
     admissible: tuple[str, ...]
     policy: tuple[str, ...]  # TextWorld's walkthrough from this state
     score: int
     max_score: int
-    steps: int
-    limit: int
-    done: bool = False
-    won: bool = False
-    answer: str = ""
 
 
 @register_env("household")
-class HouseholdEnv(NativeSnapshots, Env):
+class HouseholdEnv(NativeSnapshots, TextEnv):
     """A TextWorld game: play admissible text commands until the quest is won or lost."""
 
     description = ("Household text games (TextWorld): explore rooms, take and use objects, cook "
@@ -77,7 +74,7 @@ class HouseholdEnv(NativeSnapshots, Env):
     def __init__(self) -> None:
         self._games: OrderedDict[str, tw.RunningGame] = OrderedDict()
         self._game: tw.RunningGame | None = None
-        self._turn: Turn | None = None
+        self.state: Turn | None = None
         self._key: str | None = None
 
     # --- episode -----------------------------------------------------------------------------
@@ -88,14 +85,10 @@ class HouseholdEnv(NativeSnapshots, Env):
         self._set(game, self._read(state, steps=0, limit=limit))
         return self.observe()
 
-    def observe(self) -> str:
-        return self._require().observation
-
     def step(self, action: str) -> StepResult:
         turn = self._require()
         if turn.done:
-            return StepResult("Invalid action: the episode is over.", 0.0, True,
-                              info={"valid": False, "success": turn.won, "answer": turn.answer})
+            return episode_over(turn)
         command = _normalize(action)
         valid = command in turn.admissible
         if valid:
@@ -104,17 +97,12 @@ class HouseholdEnv(NativeSnapshots, Env):
         else:
             why = (f"{command[:80]!r} is not one of the available commands" if command
                    else "empty action")
-            note = f"Invalid action: {why}. {self.action_help}"
-            turn = turn._replace(steps=turn.steps + 1, observation=_show(note, turn.admissible))
-        if not turn.done and turn.steps >= turn.limit:
-            note = f"Out of steps ({turn.limit}); the game is not won."
-            turn = turn._replace(done=True, answer="unfinished",
-                                 observation=f"{turn.observation}\n{note}")
+            turn = turn._replace(steps=turn.steps + 1,
+                                 observation=_show(self.invalid_note(why), turn.admissible))
+        turn = turn.at_limit(f"Out of steps ({turn.limit}); the game is not won.")
         self._set(self._game, turn)
-        info: dict[str, Any] = {"valid": valid, "score": turn.score, "max_score": turn.max_score}
-        if turn.done:
-            info.update(success=turn.won, answer=turn.answer)
-        return StepResult(turn.observation, 1.0 if turn.won else 0.0, turn.done, info=info)
+        return step_result(turn, turn.observation, 1.0 if turn.success else 0.0, valid=valid,
+                           score=turn.score, max_score=turn.max_score)
 
     def valid_actions(self) -> list[str]:
         turn = self._require()
@@ -127,7 +115,7 @@ class HouseholdEnv(NativeSnapshots, Env):
     def heuristic(self) -> float:
         """Progress: the game's score over its maximum (cooking scores each recipe step)."""
         turn = self._require()
-        return 1.0 if turn.won else turn.score / max(turn.max_score, 1)
+        return 1.0 if turn.success else turn.score / max(turn.max_score, 1)
 
     def state_key(self) -> str:
         if self._key is None:
@@ -151,16 +139,11 @@ class HouseholdEnv(NativeSnapshots, Env):
         for game in self._games.values():
             game.close()
         self._games.clear()
-        self._game = self._turn = self._key = None
+        self._game = self.state = self._key = None
 
     # --- helpers -----------------------------------------------------------------------------
-    def _require(self) -> Turn:
-        if self._turn is None:
-            raise EnvError("reset() must be called first")
-        return self._turn
-
     def _set(self, game: tw.RunningGame, turn: Turn) -> None:
-        self._game, self._turn, self._key = game, turn, None
+        self._game, self.state, self._key = game, turn, None
 
     def _open(self, path: str) -> tw.RunningGame:
         """The started game for ``path`` (the least recently used one is closed beyond a few)."""
@@ -177,19 +160,16 @@ class HouseholdEnv(NativeSnapshots, Env):
         won, lost = bool(state["won"]), bool(state["lost"])
         done = won or lost
         text = tw.clean(state.feedback) or "Nothing happens."
-        return Turn(_show(text, () if done else admissible), admissible,
-                    tuple(state["policy_commands"] or ()), int(state["score"] or 0),
-                    int(state["max_score"] or 0), steps, limit, done, won,
-                    "won" if won else "lost" if lost else "")
+        return Turn(observation=_show(text, () if done else admissible), steps=steps, limit=limit,
+                    done=done, success=won, answer="won" if won else "lost" if lost else "",
+                    admissible=admissible, policy=tuple(state["policy_commands"] or ()),
+                    score=int(state["score"] or 0), max_score=int(state["max_score"] or 0))
 
     # --- task sets ---------------------------------------------------------------------------
     @classmethod
     def tasks(cls, split: str, limit: int | None = None) -> list[Task]:
         check("textworld", "household")
-        if split not in SPLIT_ROUNDS:
-            raise ValueError(f"unknown split {split!r} (known: train, test)")
-        tasks = _split_tasks(split)
-        return list(tasks[:limit] if limit is not None else tasks)
+        return take_split(split, limit, SPLIT_ROUNDS, _split_tasks)
 
     @classmethod
     def task_from_dict(cls, row: dict[str, Any]) -> Task:

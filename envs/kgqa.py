@@ -170,6 +170,7 @@ class KgState(NamedTuple):
     steps: int = 0
     limit: int = 12
     done: bool = False
+    truncated: bool = False  # ended by the step limit
     success: bool = False
     answer: str = ""
     note: str = ""
@@ -365,7 +366,7 @@ def _spec(data_json: str) -> KgSpec:
         if (verb == "answer") != (i == len(program)):
             raise ValueError("program must end with its only `answer: ...` step")
         result = env.step(step)
-        if not result.info["valid"]:
+        if not result.valid:
             raise ValueError(f"program step {i} ({step!r}) fails: {result.observation.splitlines()[0]}")
     s = env.state
     if not s.answer or (len(s.answer.split(", ")) > 8) or s.answer == "0":

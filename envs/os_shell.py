@@ -17,13 +17,14 @@ from __future__ import annotations
 import dataclasses
 import re
 import signal
-from typing import Any, NamedTuple
+from typing import Any
 
-from omrl_search.env import Env, EnvError, NativeSnapshots, register_env, stable_hash
+from omrl_search.env import NativeSnapshots, register_env, stable_hash
 from omrl_search.types import StepResult, Task
 
 from . import _os_tasks
 from ._sandbox import HOME, Entry, Limits, Tree, WorkDir, tree_digest
+from ._text_env import Episode, TextEnv, episode_over, step_result
 
 _BASH = re.compile(r"^(?:bash|sh|shell|run)[ \t]*:[ \t]*(?P<cmd>.*)$", re.S | re.I)
 _FENCE = re.compile(r"^```(?:bash|sh|shell)?[ \t]*\n(?P<cmd>.*?)\n?```$", re.S | re.I)
@@ -33,20 +34,18 @@ MAX_COMMAND = 8000
 MAX_FILES_IN_TASK = 200
 
 
-class OsState(NamedTuple):
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class OsState(Episode):
+    """The episode and the work dir after a step."""
+
     task: Task
     tree: Tree  # the work dir
     digest: str  # tree_digest(tree)
-    steps: int = 0
-    done: bool = False
-    success: bool = False
-    answer: str = ""
     last: str = ""  # the last command run (the expert answers after its solution ran)
-    obs: str = ""
 
 
 @register_env("os")
-class OsEnv(NativeSnapshots, Env):
+class OsEnv(NativeSnapshots, TextEnv):
     """Bash in a sandboxed work dir; state = the work dir's files (see the module docstring).
 
     ``make_env("os", wall_s=2, ...)`` overrides any field of :class:`~envs._sandbox.Limits`.
@@ -75,19 +74,16 @@ class OsEnv(NativeSnapshots, Env):
         top = [e.path + ("/" if e.kind == "d" else "") for e in tree if "/" not in e.path]
         where = f"holds: {', '.join(top)}." if top else "is empty."
         obs = f"{task.instruction}\nThe work dir {HOME} {where}"
-        self.state = OsState(task, tree, tree_digest(tree), obs=obs)
-        return self.state.obs
-
-    def observe(self) -> str:
-        return self._require().obs
+        self.state = OsState(observation=obs, steps=0, limit=self.max_steps, task=task, tree=tree,
+                             digest=tree_digest(tree))
+        return self.state.observation
 
     def step(self, action: str) -> StepResult:
         s = self._require()
         if s.done:
-            return StepResult("Invalid action: the episode is over.", 0.0, True,
-                              info={"valid": False, "success": s.success, "answer": s.answer})
+            return episode_over(s)
         kind, arg = parse_action(action)
-        info: dict[str, Any] = {"valid": kind != "invalid"}
+        info: dict[str, Any] = {}
         tree, digest, last, done, success, answer = s.tree, s.digest, s.last, False, False, ""
         if kind == "bash":
             result, undone = self.workdir.run(arg)
@@ -99,15 +95,12 @@ class OsEnv(NativeSnapshots, Env):
             done = True
             success, answer, obs = self._judge(s, arg)
         else:
-            obs = f"Invalid action: {arg}. {self.action_help}"
-        steps = s.steps + 1
-        if not done and steps >= self.max_steps:
-            done = True
-            obs += f"\n[Out of steps ({self.max_steps}): the task is not solved.]"
-        if done:
-            info.update(success=success, answer=answer)
-        self.state = OsState(s.task, tree, digest, steps, done, success, answer, last, obs)
-        return StepResult(obs, 1.0 if success else 0.0, done, info=info)
+            obs = self.invalid_note(arg)
+        self.state = s = OsState(
+            observation=obs, steps=s.steps + 1, limit=s.limit, done=done, success=success,
+            answer=answer, task=s.task, tree=tree, digest=digest, last=last,
+        ).at_limit(f"[Out of steps ({s.limit}): the task is not solved.]", answer="")
+        return step_result(s, s.observation, 1.0 if success else 0.0, valid=kind != "invalid", **info)
 
     def _render(self, command: str, result, undone: bool) -> str:
         shown = command if len(command) <= 300 else command[:300] + " ..."
@@ -142,8 +135,8 @@ class OsEnv(NativeSnapshots, Env):
 
     def state_key(self) -> str:
         s = self._require()
-        return stable_hash((s.task.task_id, s.digest, s.steps, s.done, s.success, s.answer, s.last,
-                            s.obs))
+        return stable_hash((s.task.task_id, s.digest, s.steps, s.done, s.truncated, s.success,
+                            s.answer, s.last, s.observation))
 
     # --- snapshots -----------------------------------------------------------------------------
     def save_native(self) -> OsState:
@@ -174,11 +167,6 @@ class OsEnv(NativeSnapshots, Env):
 
     def close(self) -> None:
         self.workdir.close()
-
-    def _require(self) -> OsState:
-        if self.state is None:
-            raise EnvError("call reset() before using the env")
-        return self.state
 
     # --- task sets -----------------------------------------------------------------------------
     @classmethod

@@ -38,6 +38,7 @@ from omrl_search.env import Env, EnvError, ReplayDivergence, ReplayEnv, register
 from omrl_search.types import Snapshot, StepResult, Task
 
 from ._sciworld_tasks import cached, save_cache, split_tasks, start_jvm, task_from_row
+from ._text_env import episode_over, step_result
 
 MAX_STEPS = 30
 RETRIES = 3  # replays tried again after a divergence, before a restore fails
@@ -138,7 +139,7 @@ class SciWorldSim(Env):
         # ScienceWorld updates its score and completion flag only when stepping: until the first
         # step they still hold the last episode's values, so the episode's own are kept here
         self.steps, self.score, self.completed, self.done, self.success = 0, 0, False, False, False
-        self.answer = ""
+        self.truncated, self.answer = False, ""
         self.trace: list[tuple[str, bool]] = []  # (action, changed the world) per step
         self._world: tuple | None = None
         self.obs = tidy(self.sw.server.freeActionLook())
@@ -148,8 +149,7 @@ class SciWorldSim(Env):
         if self.task is None:
             raise EnvError("step() before reset()")
         if self.done:
-            return StepResult("Invalid action: the episode is over.", 0.0, True,
-                              info={"valid": False, "success": self.success, "answer": self.answer})
+            return episode_over(self)
         text = normalise(action)
         before, previous = self.world(), self.score
         self.steps += 1
@@ -172,14 +172,12 @@ class SciWorldSim(Env):
         elif self.done:
             self.obs += f" (The task failed: score {self.score}.)"
         elif self.steps >= self.max_steps:
-            self.done = True
+            self.done = self.truncated = True
             self.obs += f" (Out of steps ({self.max_steps}); the task is not done: score {self.score}.)"
-        info: dict[str, Any] = {"valid": valid, "score": self.score}
         if self.done:
             self.answer = text
-            info.update(success=self.success, answer=self.answer)
         reward = 1.0 if self.success else (self.score - previous) / 100
-        return StepResult(self.obs, reward, self.done, info=info)
+        return step_result(self, self.obs, reward, valid=valid, score=self.score)
 
     def observe(self) -> str:
         if self.task is None:

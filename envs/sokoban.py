@@ -19,8 +19,10 @@ from collections import deque
 from functools import lru_cache
 from typing import Any, NamedTuple
 
-from omrl_search.env import Env, EnvError, ValueSnapshots, register_env, stable_hash
+from omrl_search.env import ValueSnapshots, register_env, stable_hash
 from omrl_search.types import StepResult, Task
+
+from ._text_env import TextEnv, episode_over, step_result
 
 DIRS = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
 LEGEND = "Legend: # wall, _ floor, O target, X box, √ box on target, P player, S player on target."
@@ -55,6 +57,15 @@ class SokobanState(NamedTuple):
     done: bool = False
     success: bool = False
     note: str = ""  # the message of the last step, shown above the grid
+
+    @property
+    def truncated(self) -> bool:
+        """A room ends only when solved or out of steps."""
+        return self.done and not self.success
+
+    @property
+    def answer(self) -> str:
+        return "solved" if self.success else "unsolved"
 
 
 # --- rooms -----------------------------------------------------------------------------------
@@ -245,7 +256,7 @@ def step_limit(optimal: int) -> int:
 
 # --- the env ---------------------------------------------------------------------------------
 @register_env("sokoban")
-class SokobanEnv(ValueSnapshots, Env):
+class SokobanEnv(ValueSnapshots, TextEnv):
     """Push all boxes onto targets; moves are up, down, left, right."""
 
     description = "Sokoban: walk the player around a small room and push every box onto a target."
@@ -280,8 +291,7 @@ class SokobanEnv(ValueSnapshots, Env):
     def step(self, action: str) -> StepResult:
         s = self._require()
         if s.done:
-            return StepResult("Invalid action: the episode is over.", 0.0, True,
-                              info={"valid": False, "success": s.success, "answer": _answer(s.success)})
+            return episode_over(s)
         text = " ".join(action.lower().strip().strip("`'\"").rstrip(".!").split())
         m = _ACTION_RE.match(text)
         if m:
@@ -289,8 +299,7 @@ class SokobanEnv(ValueSnapshots, Env):
             note = _NOTES[what].format(m.group(1))
         else:
             player, boxes = s.player, s.boxes
-            why = f"cannot parse {text[:60]!r}" if text else "empty action"
-            note = f"Invalid action: {why}. {self.action_help}"
+            note = self.invalid_note(f"cannot parse {text[:60]!r}" if text else "empty action")
         steps = s.steps + 1
         success = all(s.layout[r][c] == "O" for r, c in boxes)
         done = success or steps >= s.limit
@@ -300,10 +309,7 @@ class SokobanEnv(ValueSnapshots, Env):
             note += f" Out of steps ({s.limit}); the room is not solved."
         self.state = s._replace(player=player, boxes=boxes, steps=steps, done=done,
                                 success=success, note=note)
-        info: dict[str, Any] = {"valid": m is not None}
-        if done:
-            info.update(success=success, answer=_answer(success))
-        return StepResult(self.observe(), 1.0 if success else 0.0, done, info=info)
+        return step_result(self.state, self.observe(), 1.0 if success else 0.0, valid=m is not None)
 
     def valid_actions(self) -> list[str]:
         """The moves that change the state (blocked moves are legal but useless)."""
@@ -326,11 +332,6 @@ class SokobanEnv(ValueSnapshots, Env):
             if not path:
                 _NEXT[key] = None
         return _NEXT[key]
-
-    def _require(self) -> SokobanState:
-        if self.state is None:
-            raise EnvError("reset() must be called first")
-        return self.state
 
     # --- task sets -------------------------------------------------------------------------
     @staticmethod
@@ -371,6 +372,3 @@ class SokobanEnv(ValueSnapshots, Env):
             raise ValueError(f"task_id must be a string, got {task_id!r}")
         return cls.make_task(layout, player, boxes, len(path), row.get("split", "test"), task_id)
 
-
-def _answer(success: bool) -> str:
-    return "solved" if success else "unsolved"

@@ -91,6 +91,7 @@ class SqlState(NamedTuple):
     steps: int = 0
     limit: int = 10
     done: bool = False
+    truncated: bool = False  # ended by the step limit
     success: bool = False
     answer: str = ""
     note: str = ""

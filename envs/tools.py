@@ -105,6 +105,7 @@ class ToolState(NamedTuple):
     steps: int = 0
     limit: int = 16
     done: bool = False
+    truncated: bool = False  # ended by the step limit
     success: bool = False
     answer: str = ""
     note: str = ""

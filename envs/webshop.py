@@ -24,11 +24,12 @@ import re
 from functools import lru_cache
 from typing import Any, NamedTuple
 
-from omrl_search.env import Env, EnvError, ValueSnapshots, register_env, stable_hash
+from omrl_search.env import ValueSnapshots, register_env, stable_hash
 from omrl_search.types import StepResult, Task
 
 from . import _catalogue as shop
 from ._catalogue import Product, fmt_price
+from ._text_env import TextEnv, episode_over, step_result
 
 PER_PAGE = 10
 SPLIT_SIZES = {"train": 2000, "test": 50}
@@ -62,6 +63,7 @@ class ShopState(NamedTuple):
     steps: int = 0
     limit: int = STEP_LIMIT
     done: bool = False
+    truncated: bool = False  # ended by the step limit, nothing bought
     reward: float = 0.0
     success: bool = False
     answer: str = ""
@@ -145,7 +147,7 @@ def expert_query(goal: Goal) -> str:
 
 # --- the env ---------------------------------------------------------------------------------
 @register_env("webshop")
-class WebShopEnv(ValueSnapshots, Env):
+class WebShopEnv(ValueSnapshots, TextEnv):
     """Search a generated shop, open products, choose options and buy the one asked for."""
 
     description = ("WebShop: search a web shop, open product pages, choose options (size, colour...) "
@@ -225,20 +227,19 @@ class WebShopEnv(ValueSnapshots, Env):
     def step(self, action: str) -> StepResult:
         s = self._require()
         if s.done:
-            return StepResult("Invalid action: the episode is over.", 0.0, True,
-                              info={"valid": False, "success": s.success, "answer": s.answer})
+            return episode_over(s)
         text = " ".join(action.strip().strip("`'\"").strip().rstrip(".!").split())
         m = _ACTION_RE.match(text)
         if not m:
             why = "empty action" if not text else f"cannot parse {text[:60]!r}"
-            return self._advance(s, {}, self._invalid(why))
+            return self._advance(s, {}, self.invalid_note(why))
         verb, arg = m.group(1).lower(), m.group(2).strip()
         if verb == "search":
             if s.page != "search":
-                return self._advance(s, {}, self._invalid(f"there is no search box on this page; "
+                return self._advance(s, {}, self.invalid_note(f"there is no search box on this page; "
                                                           f"use click[{BACK}] first"))
             if not shop.tokens(arg):
-                return self._advance(s, {}, self._invalid("the search query has no words to look for"))
+                return self._advance(s, {}, self.invalid_note("the search query has no words to look for"))
             query = " ".join(arg.lower().split())[:MAX_QUERY]
             return self._advance(s, {"page": "results", "query": query, "page_no": 1}, "")
         return self._click(s, arg)
@@ -250,7 +251,7 @@ class WebShopEnv(ValueSnapshots, Env):
             shown = ", ".join(clickable[:8]) + (", ..." if len(clickable) > 8 else "")
             why = f"{arg[:40]!r} is not clickable on this page" + (f" (clickable: {shown})" if shown else
                                                                    "; use search[QUERY]")
-            return self._advance(s, {}, self._invalid(why))
+            return self._advance(s, {}, self.invalid_note(why))
         if what == BACK:
             home = {"page": "search", "query": "", "page_no": 1, "item": "", "chosen": ()}
             return self._advance(s, home, "")
@@ -271,21 +272,15 @@ class WebShopEnv(ValueSnapshots, Env):
         in_order = tuple((k, chosen[k]) for k, _ in p.options if k in chosen)
         return self._advance(s, {"chosen": in_order}, f"You chose {kind}: {what}.")
 
-    def _invalid(self, why: str) -> str:
-        return f"Invalid action: {why}. {self.action_help}"
-
     def _advance(self, s: ShopState, changes: dict[str, Any], note: str) -> StepResult:
         """Count a step, apply ``changes``, end the episode at a purchase or the step limit."""
         valid = not note.startswith("Invalid action:")
         steps = s.steps + 1
         if not changes.get("done") and steps >= s.limit:
-            changes = {**changes, "done": True, "answer": ""}
+            changes = {**changes, "done": True, "truncated": True, "answer": ""}
             note += f"\nOut of steps ({s.limit}); nothing was bought."
         self.state = s._replace(steps=steps, note=note.strip(), **changes)
-        info: dict[str, Any] = {"valid": valid}
-        if self.state.done:
-            info.update(success=self.state.success, answer=self.state.answer)
-        return StepResult(self.observe(), self.state.reward, self.state.done, info=info)
+        return step_result(self.state, self.observe(), self.state.reward, valid=valid)
 
     def valid_actions(self) -> list[str]:
         """The clickable things of the page; on the search page, two searches from the instruction."""
@@ -319,11 +314,6 @@ class WebShopEnv(ValueSnapshots, Env):
         best = min(good, key=lambda i: (abs(i // PER_PAGE + 1 - s.page_no), i))
         page = best // PER_PAGE + 1
         return f"click[{hits[best] if page == s.page_no else NEXT if page > s.page_no else PREV}]"
-
-    def _require(self) -> ShopState:
-        if self.state is None:
-            raise EnvError("reset() must be called first")
-        return self.state
 
     # --- task sets -------------------------------------------------------------------------
     @staticmethod

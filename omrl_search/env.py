@@ -69,10 +69,14 @@ class Env(ABC):
 
     @abstractmethod
     def step(self, action: str) -> StepResult:
-        """Apply one action. Malformed actions return an observation saying what was wrong and
-        what the syntax is (``info["valid"] = False``); they never raise. At ``done``,
-        ``info["success"]`` says whether the task was solved and ``info["answer"]`` gives the
-        final answer as a short string (what majority voting compares)."""
+        """Apply one action; return a :class:`~omrl_search.types.StepResult` built with keywords:
+        ``terminated`` when the task reached an end state (solved, answered, lost), ``truncated``
+        when the env cut the episode (its step limit), ``success`` whether the task was solved
+        and ``valid=False`` for a malformed or inadmissible action, whose observation says what
+        was wrong and what the syntax is (it never raises). ``info`` carries the rest: at the
+        end ``info["answer"]``, the final answer as a short string (what majority voting
+        compares), and env detail such as ``score``; not ``success`` or ``valid`` (older envs
+        that put them there are still read)."""
 
     @abstractmethod
     def observe(self) -> str:

@@ -1,8 +1,12 @@
-"""The property test every registered env passes (DESIGN §4), for each snapshot kind it supports.
+"""The property test every registered env passes (docs/design.md §4), for each snapshot kind it
+supports.
 
 Snapshot -> step -> restore gives back the same observation and state key; branches from one
 snapshot never leak into each other; snapshots restore into fresh instances; replay divergence
-is detected; the expert solves the first test tasks; malformed actions never raise.
+is detected; the expert solves the first test tasks (``terminated and success``); malformed
+actions never raise (``valid is False``); the step limit truncates. Step results carry Gymnasium's
+``terminated``/``truncated`` and the typed ``success``/``valid``, never ``success``/``valid``
+keys in ``info``; a legacy env that still puts them there (and passes ``done=``) is read as before.
 """
 from __future__ import annotations
 
@@ -44,6 +48,17 @@ def _has_expert(name: str) -> bool:
     return env_class(name).expert_action is not Env.expert_action
 
 
+def _typed(result: StepResult) -> StepResult:
+    """Check the typed fields of a bundled env's step result; return it."""
+    assert isinstance(result, StepResult)
+    assert all(type(getattr(result, f)) is bool for f in ("terminated", "truncated", "success", "valid"))
+    assert result.done == (result.terminated or result.truncated)
+    assert not (result.terminated and result.truncated)
+    assert "success" not in result.info and "valid" not in result.info, result.info
+    assert result.done or not result.success
+    return result
+
+
 def _two_actions(env: Env) -> tuple[str, str]:
     """Two different actions from the current state: the expert's (or an admissible one) and another."""
     candidates = [env.expert_action(), *(env.valid_actions() or []), "gibberish"]
@@ -65,7 +80,7 @@ def test_snapshot_step_restore_roundtrip(name, kind):
         assert s0.kind == kind and s0.observation == obs0 == env.observe()
         assert s0.state_key == env.state_key()
         for action in _two_actions(env) + ("gibberish",):
-            result = env.step(action)
+            result = _typed(env.step(action))
             assert result.observation == env.observe()
             env.restore(s0)
             assert env.observe() == obs0
@@ -80,7 +95,7 @@ def test_branches_do_not_leak(name, kind):
         env.reset(task)
         s0 = env.snapshot()
         a, b = _two_actions(env)
-        ra = env.step(a)
+        ra = _typed(env.step(a))
         sa = env.snapshot()
         obs_a, key_a = env.observe(), env.state_key()
         env.restore(s0)
@@ -91,8 +106,9 @@ def test_branches_do_not_leak(name, kind):
         env.restore(sa)
         assert (env.observe(), env.state_key()) == (obs_a, key_a)
         env.restore(s0)
-        ra2 = env.step(a)
-        assert (ra2.observation, ra2.reward, ra2.done) == (ra.observation, ra.reward, ra.done)
+        ra2 = _typed(env.step(a))
+        assert (ra2.observation, ra2.reward, ra2.terminated, ra2.truncated, ra2.success, ra2.valid) \
+            == (ra.observation, ra.reward, ra.terminated, ra.truncated, ra.success, ra.valid)
         assert (env.observe(), env.state_key()) == (obs_a, key_a)
         env.restore(s0)  # and the b branch is still reachable unchanged
         env.step(b)
@@ -112,8 +128,9 @@ def test_snapshot_restores_into_fresh_instance(name, kind):
     assert (fresh.observe(), fresh.state_key()) == (env.observe(), env.state_key())
     action = _two_actions(env)[0]
     assert _two_actions(fresh)[0] == action
-    r1, r2 = env.step(action), fresh.step(action)
-    assert (r1.observation, r1.reward, r1.done, r1.info) == (r2.observation, r2.reward, r2.done, r2.info)
+    r1, r2 = _typed(env.step(action)), _typed(fresh.step(action))
+    fields = lambda r: (r.observation, r.reward, r.terminated, r.truncated, r.success, r.valid, r.info)  # noqa: E731
+    assert fields(r1) == fields(r2)
     assert fresh.state_key() == env.state_key()
 
 
@@ -145,9 +162,9 @@ def test_expert_solves_first_test_tasks(name):
         while result is None or not result.done:
             action = env.expert_action()
             assert action is not None, f"expert gave up on {task.task_id}"
-            result = env.step(action)
-            assert result.info["valid"] is True
-        assert result.info["success"] is True and result.reward == 1.0, task.task_id
+            result = _typed(env.step(action))
+            assert result.valid is True
+        assert result.terminated and result.success and result.reward == 1.0, task.task_id
         assert isinstance(result.info["answer"], str)
         assert env.expert_action() is None
 
@@ -158,9 +175,8 @@ def test_malformed_actions_never_raise(name, kind):
     task = _tasks(name, 1)[0]
     for action in MALFORMED:
         env.reset(task)
-        result = env.step(action)
-        assert isinstance(result, StepResult)
-        assert result.info["valid"] is False and result.reward == 0.0 and not result.done
+        result = _typed(env.step(action))
+        assert result.valid is False and result.reward == 0.0 and not result.done
         assert result.observation.startswith("Invalid action:")
         if _has_expert(name):  # the puzzle itself is untouched
             assert env.expert_action() is not None
@@ -171,14 +187,16 @@ def test_episode_ends_after_its_step_limit(name):
     env = make_env(name)
     env.reset(_tasks(name, 1)[0])
     for n in range(1, env.max_steps + 1):
-        result = env.step("gibberish")
-        assert result.info["valid"] is False
+        result = _typed(env.step("gibberish"))
+        assert result.valid is False
         if result.done:
             break
-    assert result.done and result.info["success"] is False and result.reward == 0.0
+    assert result.truncated and not result.terminated  # cut by the limit, no end state reached
+    assert result.success is False and result.reward == 0.0
     assert n <= env.max_steps
-    after = env.step(env.valid_actions()[0] if env.valid_actions() else "gibberish")
-    assert after.done and after.info["valid"] is False and after.observation.startswith("Invalid action:")
+    after = _typed(env.step(env.valid_actions()[0] if env.valid_actions() else "gibberish"))
+    assert after.valid is False and after.observation.startswith("Invalid action:")
+    assert (after.terminated, after.truncated, after.success) == (False, True, False)  # still over
 
 
 @pytest.mark.parametrize("name", ENVS)
@@ -237,3 +255,34 @@ def test_replay_divergence_is_detected(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "BONUS", 1)
     with pytest.raises(ReplayDivergence):
         env.restore(snap)
+
+
+# --- a third-party env written before the typed fields ----------------------------------------
+class LegacyEnv(ValueSnapshots, Env):
+    """Puts ``success``/``valid`` in ``info`` and passes ``done=`` (not registered)."""
+
+    name = "legacy"
+
+    def reset(self, task: Task) -> str:
+        self.state = "Say win."
+        return self.observe()
+
+    def step(self, action: str) -> StepResult:
+        if action != "win":
+            return StepResult("Invalid action: say win.", 0.0, done=False, info={"valid": False})
+        self.state = "You win."
+        return StepResult(self.state, 1.0, done=True, info={"success": True, "valid": True, "answer": "won"})
+
+    def observe(self) -> str:
+        return self.state
+
+
+@pytest.mark.parametrize("wrap", [False, True])
+def test_legacy_info_keys_and_done_are_read_as_the_typed_fields(wrap):
+    env = ReplayEnv(LegacyEnv()) if wrap else LegacyEnv()
+    env.reset(Task(env="legacy", task_id="legacy-0"))
+    bad = env.step("lose")
+    assert (bad.valid, bad.success, bad.terminated, bad.truncated, bad.done) == (False, False, False, False, False)
+    won = env.step("win")
+    assert (won.valid, won.success, won.terminated, won.truncated, won.done) == (True, True, True, False, True)
+    assert won.info["answer"] == "won"

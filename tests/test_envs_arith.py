@@ -22,12 +22,13 @@ def _env(numbers, name="game24", target=24):
 def test_exact_fraction_steps_3_3_8_8():
     env = _env([3, 3, 8, 8])
     r = env.step("8 / 3")
-    assert r.info == {"valid": True} and "8 / 3 = 8/3" in r.observation
+    assert r.valid and r.info == {} and "8 / 3 = 8/3" in r.observation
     assert env.state.numbers == (Fraction(8, 3), 3, 8)
     r = env.step("3 - 8/3")
     assert "Numbers left: 1/3 8 |" in r.observation
     r = env.step("8 ÷ 1/3.")
-    assert r.done and r.reward == 1.0 and r.info == {"valid": True, "success": True, "answer": "24"}
+    assert (r.terminated, r.truncated, r.valid, r.success) == (True, False, True, True)
+    assert r.reward == 1.0 and r.info == {"answer": "24"}
 
 
 def test_solver_is_exact():
@@ -43,23 +44,23 @@ def test_expert_follows_fraction_solution():
     result = None
     while result is None or not result.done:
         result = env.step(env.expert_action())
-    assert result.info["success"]
+    assert result.success
 
 
 @pytest.mark.parametrize("text", ["4 * 6", "4*6", "  4 X 6. ", "`4 × 6`", "4 * 6 = 24", "4 x 6!"])
 def test_forgiving_step_syntax(text):
     r = _env([1, 4, 6, 12]).step(text)
-    assert r.info["valid"], r.observation
+    assert r.valid, r.observation
     assert "Numbers left: 1 12 24 |" in r.observation
 
 
 def test_step_rules():
     env = _env([4, 6, 6, 12])
     key = env.state_key()
-    assert not env.step("4 * 4").info["valid"]  # only one 4
+    assert not env.step("4 * 4").valid  # only one 4
     assert env.state.numbers == (4, 6, 6, 12) and env.state.steps == 1 and env.state_key() != key
-    assert not env.step("6 / 0").info["valid"]
-    assert env.step("6 - 6").info["valid"]
+    assert not env.step("6 / 0").valid
+    assert env.step("6 - 6").valid
     assert "division by zero" in env.step("12 / 0").observation
     assert env.state.numbers == (0, 4, 12)
 
@@ -73,7 +74,7 @@ def test_valid_actions_are_deduplicated_and_legal():
     snap = env.snapshot()
     for action in actions:
         env.restore(snap)
-        assert env.step(action).info["valid"], action
+        assert env.step(action).valid, action
 
 
 @pytest.mark.parametrize(
@@ -88,7 +89,7 @@ def test_valid_actions_are_deduplicated_and_legal():
 )
 def test_answer_checker(expr, success, answer):
     r = _env([3, 3, 8, 8]).step(f"answer {expr}")
-    assert r.done and r.info["valid"] and r.info["success"] is success and r.info["answer"] == answer
+    assert r.done and r.valid and r.success is success and r.info["answer"] == answer
     assert r.reward == (1.0 if success else 0.0)
 
 
@@ -100,7 +101,7 @@ def test_answer_rejects_anything_but_arithmetic(expr):
     with pytest.raises(ValueError):
         eval_expression(expr)
     r = _env([3, 3, 8, 8]).step(f"answer {expr}")
-    assert r.info["valid"] is False and not r.done
+    assert r.valid is False and not r.done
 
 
 def test_game24_has_1362_solvable_puzzles():
@@ -131,11 +132,11 @@ def test_countdown_tasks_are_valid_and_solvable():
 def test_countdown_must_use_every_number():
     env = _env([1, 2, 50], "countdown", target=52)
     r = env.step("answer 50 + 2")
-    assert r.done and not r.info["success"]
+    assert r.terminated and not r.truncated and not r.success
     env = _env([1, 2, 50], "countdown", target=52)
     env.step("50 + 2")
     r = env.step("52 * 1")
-    assert r.done and r.info["success"] and r.info["answer"] == "52"
+    assert r.done and r.success and r.info["answer"] == "52"
 
 
 def test_jsonl_loading(tmp_path):

@@ -47,7 +47,7 @@ def test_text_view_matches_the_grid():
     for task in TEST[:12]:
         env = _env(task)
         for _ in range(6):
-            view = env._turn.view
+            view = env.state.view
             m = env._sim[0]
             for thing in view.things:  # every thing named where it really is
                 obj = m.grid.get(*_cell_of(env, thing))
@@ -71,11 +71,11 @@ def test_planned_actions_do_what_they_say():
             verb = next((v for v in text.MACROS if action.startswith(v + " ")), None)
             if verb is None:
                 continue
-            thing = next(t for t in env._turn.view.things if action == f"{verb} {t.name}")
+            thing = next(t for t in env.state.view.things if action == f"{verb} {t.name}")
             cell = _cell_of(env, thing)
             env.restore(snap)
             result = env.step(action)
-            assert result.info["valid"] is True, action
+            assert result.valid is True, action
             m = env._sim[0]
             if verb == "go to" and not result.done:
                 assert tuple(m.front_pos) == cell
@@ -94,41 +94,41 @@ def test_invalid_and_primitive_actions():
     for action, why in [("go to purple unicorn 1", "there is no purple unicorn 1 in view"),
                         ("dance", "cannot parse 'dance'"), ("", "empty action")]:
         result = env.step(action)
-        assert result.info["valid"] is False and not result.done and result.reward == 0.0
+        assert result.valid is False and not result.done and result.reward == 0.0
         assert result.observation.startswith(f"Invalid action: {why}. Actions:")
         assert "Available actions:" in result.observation
-    assert env.expert_action() == expert and env.state_key() != key and env._turn.steps == 3
+    assert env.expert_action() == expert and env.state_key() != key and env.state.steps == 3
     m = env._sim[0]
     while m.grid.get(*m.front_pos) is None or m.grid.get(*m.front_pos).type != "wall":
         env.step("move forward")
         m = env._sim[0]
     pos = tuple(m.agent_pos)
     result = env.step("Move Forward.")  # into the wall: a legal move that changes nothing
-    assert result.info["valid"] is True and result.observation.startswith("You cannot move forward.")
+    assert result.valid is True and result.observation.startswith("You cannot move forward.")
     assert tuple(env._sim[0].agent_pos) == pos
 
 
 def test_hands_full_and_locked_doors_are_explained():
     env = _env(TEST[1])  # GoToLocal: many objects in one room
-    first, second = (t.name for t in env._turn.view.things[:2])
-    assert env.step(f"pick up {first}").info["valid"]
+    first, second = (t.name for t in env.state.view.things[:2])
+    assert env.step(f"pick up {first}").valid
     result = env.step(f"pick up {second}")
-    assert result.info["valid"] is False and "your hands are full" in result.observation
+    assert result.valid is False and "your hands are full" in result.observation
 
     env = _env(TEST[4])  # UnlockLocal: a key and a locked door
-    key = next(t for t in env._turn.view.things if t.kind == "key")
+    key = next(t for t in env.state.view.things if t.kind == "key")
     for _ in range(4):
-        door = next((t for t in env._turn.view.things if t.kind == "door"), None)
+        door = next((t for t in env.state.view.things if t.kind == "door"), None)
         if door:
             break
         env.step("turn left")
     assert door is not None and door.state == "locked"
     result = env.step(f"toggle and go through {door.name}")
-    assert result.info["valid"] is False
+    assert result.valid is False
     assert f"the {door.name} is locked: carry the {door.color} key" in result.observation
     assert key.color == door.color
     result = env.step(f"go through {door.name}")
-    assert result.info["valid"] is False
+    assert result.valid is False
     assert f"the {door.name} is locked: toggle and go through it" in result.observation
 
 
@@ -157,10 +157,10 @@ def test_expert_advises_after_detours():
             if env.step(rng.choice(["turn left", "turn right", "move forward"])).done:
                 break
         result = None
-        while not env._turn.done:
+        while not env.state.done:
             result = env.step(env.expert_action())
-            assert result.info["valid"]
-        assert result is None or result.info["success"], task.task_id
+            assert result.valid
+        assert result is None or result.success, task.task_id
 
 
 def test_bot_is_rebuilt_when_a_box_is_opened(monkeypatch):
@@ -182,9 +182,9 @@ def test_bot_is_rebuilt_when_a_box_is_opened(monkeypatch):
     env.step("go to purple box 1")
     assert env.step("toggle").observation.startswith("You open the purple box.")
     assert len(errors) == 1 and env.expert_action() is not None
-    while not env._turn.done:
+    while not env.state.done:
         result = env.step(env.expert_action())
-    assert result.info["success"]
+    assert result.success
 
 
 def test_oracle_solves_test_tasks_in_process():

@@ -69,14 +69,14 @@ def test_first_observation_is_the_intro_with_commands():
     assert obs.endswith(f"Available commands: {', '.join(env.valid_actions())}.")
     assert env.expert_action() in env.valid_actions()
     result = env.step(f"  {env.expert_action().upper()}. ")  # forgiving about case and dots
-    assert result.info == {"valid": True, "score": 0, "max_score": 1} and not result.done
+    assert result.valid and result.info == {"score": 0, "max_score": 1} and not result.done
 
 
 def test_invalid_actions_leave_the_game_untouched():
     env = _env(TEST[1])
     ram, expert, key = env._game.ram(), env.expert_action(), env.state_key()
     result = env.step("eat the house")
-    assert result.info["valid"] is False and not result.done and result.reward == 0.0
+    assert result.valid is False and not result.done and result.reward == 0.0
     assert result.observation.startswith("Invalid action: 'eat the house' is not one of the available")
     assert HouseholdEnv.action_help in result.observation and "Available commands:" in result.observation
     assert env._game.ram() == ram and env.expert_action() == expert and env.state_key() != key
@@ -88,8 +88,8 @@ def test_eating_an_ingredient_loses_the_cooking_game():
     env.step(next(a for a in env.valid_actions() if a.startswith("take") and "cookbook" not in a))
     eat = next(a for a in env.valid_actions() if a.startswith("eat "))
     result = env.step(eat)
-    assert result.done and result.reward == 0.0
-    assert result.info["success"] is False and result.info["answer"] == "lost"
+    assert result.terminated and not result.truncated and result.reward == 0.0  # lost: an end state
+    assert result.success is False and result.info["answer"] == "lost"
     assert "You lost" in result.observation and env.expert_action() is None
     assert env.step("look").observation == "Invalid action: the episode is over."
 
@@ -138,7 +138,7 @@ def test_expert_recovers_from_detours():
             result = env.step(env.expert_action())
             if result.done:
                 break
-        assert result.info["success"], task.task_id
+        assert result.success, task.task_id
 
 
 def test_oracle_solves_test_tasks_in_process():

@@ -50,7 +50,7 @@ def test_tool_actions():
     env = _env()
     assert env.step("relations: acme").observation.startswith("Relations of Acme: employs (2), founded_by (1)\n")
     r = env.step("neighbors(Oslo, birthplace_of)")
-    assert r.info == {"valid": True} and r.observation.startswith("#1 = {Ann, Bob} (2 entities)")
+    assert r.valid and r.info == {} and r.observation.startswith("#1 = {Ann, Bob} (2 entities)")
     assert env.step("neighbors: #1, works_for").observation.startswith("#2 = {Acme, Zeta} (2 entities)")
     assert env.step("relations: #1").observation.startswith("Relations of #1: born_in (2), works_for (2)")
     assert env.step("neighbors: Ann, founded").observation.startswith("#3 = {} (0 entities)")
@@ -70,7 +70,7 @@ def test_bad_actions_say_why(action, why):
     env = _env()
     env.step("neighbors: Oslo, birthplace_of")
     r = env.step(action)
-    assert r.info["valid"] is False and not r.done and why in r.observation
+    assert r.valid is False and not r.done and why in r.observation
     assert env.state.vars == (("Ann", "Bob"),)
 
 
@@ -79,7 +79,7 @@ def test_count_results_are_numbers():
     env.step("neighbors: Oslo, birthplace_of")
     env.step("count: #1")
     r = env.step("neighbors: #2, works_for")
-    assert r.info["valid"] is False and "#2 is a number, not a set of entities" in r.observation
+    assert r.valid is False and "#2 is a number, not a set of entities" in r.observation
 
 
 @pytest.mark.parametrize("program,answer,ok", [
@@ -92,7 +92,7 @@ def test_exact_match_answers(program, answer, ok):
     for step in program[:-1]:
         env.step(step)
     r = env.step(answer)
-    assert r.done and r.info["valid"] and r.info["success"] is ok and r.reward == float(ok)
+    assert r.done and r.valid and r.success is ok and r.reward == float(ok)
 
 
 def test_expert_maps_the_program_onto_the_agents_results():
@@ -103,9 +103,9 @@ def test_expert_maps_the_program_onto_the_agents_results():
     env.step(env.expert_action())
     assert env.expert_action() == "intersect: #2, #1"
     env.step(env.expert_action())
-    assert [env.expert_action(), env.step(env.expert_action()).info["valid"]] == ["count: #3", True]
+    assert [env.expert_action(), env.step(env.expert_action()).valid] == ["count: #3", True]
     assert env.expert_action() == "answer: #4"
-    assert env.step("answer: #4").info["success"]
+    assert env.step("answer: #4").success
 
 
 def test_expert_does_not_skip_a_step_whose_result_looks_done():

@@ -38,7 +38,7 @@ def env():
 def run(env, command: str) -> str:
     """The observation of ``bash: command`` without its first line (the command echoed)."""
     result = env.step(f"bash: {command}")
-    assert result.info["valid"] is True and not result.done
+    assert result.valid is True and not result.done
     assert result.observation.startswith(f"$ {command[:300]}")
     return result.observation.split("\n", 1)[1]
 
@@ -244,7 +244,7 @@ def test_parse_action(action, parsed):
 def test_malformed_actions_explain_the_syntax(env, action, why):
     key = env.state_key()
     result = env.step(action)
-    assert result.info == {"valid": False} and not result.done
+    assert result.valid is False and result.info == {} and not result.done
     assert result.observation.startswith(f"Invalid action: {why}")
     assert "Actions: `bash: <command>`" in result.observation
     assert env.state_key() != key and env.state.tree is not None
@@ -256,14 +256,14 @@ def test_question_answers_and_episode_end():
     for given, shown, ok in (("12", "12", True), ("`12.0`.", "12.0", True), (" 13 ", "13", False)):
         e.reset(task)
         r = e.step(f"answer: {given}")
-        assert r.done and r.info["success"] is ok and r.reward == float(ok)
+        assert r.terminated and not r.truncated and r.success is ok and r.reward == float(ok)
         assert r.info["answer"] == shown
     paths = OsEnv.task_from_dict({"instruction": "which?", "files": {}, "answer": "notes/a.txt"})
     for given in ("notes/a.txt", "./notes/a.txt", f"{HOME}/notes/a.txt"):
         e.reset(paths)
-        assert e.step(f"answer: {given}").info["success"] is True
+        assert e.step(f"answer: {given}").success is True
     after = e.step("bash: ls")
-    assert after.done and after.info["valid"] is False
+    assert after.terminated and after.valid is False and after.success is True
     assert after.observation.startswith("Invalid action:")
     e.close()
 
@@ -276,14 +276,14 @@ def test_file_task_checks_contents_modes_and_extra_files():
     e.reset(task)
     e.step("bash: echo 1 > out.txt")
     r = e.step("answer: done")
-    assert r.done and not r.info["success"] and "s.sh has mode 644, not 755" in r.observation
+    assert r.done and not r.success and "s.sh has mode 644, not 755" in r.observation
     e.reset(task)
     e.step("bash: chmod 755 s.sh && echo 1 > out.txt && touch stray")
     assert "unexpected files: stray" in e.step("answer: done").observation
     e.reset(task)
     e.step("bash: chmod 755 s.sh && printf 1 > out.txt")  # a missing final newline is fine
     r = e.step("answer: done")
-    assert r.info["success"] is True and r.info["answer"].startswith("files:")
+    assert r.success is True and r.info["answer"].startswith("files:")
     e.close()
 
 
@@ -313,7 +313,7 @@ def test_expert_solves_every_test_task_with_its_solution():
         if "answer" in task.data:
             assert r.observation.splitlines()[1] == task.data["answer"], task.task_id
         r = e.step(e.expert_action())
-        assert r.done and r.info["success"] is True, (task.task_id, r.observation)
+        assert r.done and r.success is True, (task.task_id, r.observation)
     e.close()
 
 
@@ -326,7 +326,7 @@ def test_expert_recovers_from_a_messed_up_work_dir():
     action = e.expert_action()
     assert action.startswith("bash: chmod u+rwx -- 'scripts/sub' && rm -rf -- ")
     e.step(action)
-    assert e.expert_action() == "answer: done" and e.step("answer: done").info["success"] is True
+    assert e.expert_action() == "answer: done" and e.step("answer: done").success is True
     question = next(t for t in OsEnv.tasks("test") if t.data["family"] == "csv_sum")
     e.reset(question)
     run(e, "rm sales.csv")
@@ -347,7 +347,7 @@ def test_user_task_file(tmp_path):
     e = make_env("os", **FAST)
     e.reset(task)
     assert e.step(e.expert_action()).observation.splitlines()[1] == "2"
-    assert e.step(e.expert_action()).info["success"] is True
+    assert e.step(e.expert_action()).success is True
     e.close()
     bad = [({"instruction": None}, "instruction must be"),
            ({"answer": None}, "exactly one of 'answer'"),

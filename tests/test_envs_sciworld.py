@@ -101,7 +101,8 @@ def test_gold_path_rewards_and_answer(env, tasks):
         results.append(env.step(env.expert_action()))
     assert len(results) <= len(gold)  # gold paths may end with a spare wait1
     final = results[-1]
-    assert final.info == {"valid": True, "score": 100, "success": True, "answer": gold[len(results) - 1]}
+    assert (final.terminated, final.truncated, final.valid, final.success) == (True, False, True, True)
+    assert final.info == {"score": 100, "answer": gold[len(results) - 1]}
     assert final.reward == 1.0 and "(Task completed: score 100.)" in final.observation
     scores = [0] + [r.info["score"] for r in results]
     for r, before, after in zip(results[:-1], scores, scores[1:]):
@@ -109,7 +110,7 @@ def test_gold_path_rewards_and_answer(env, tasks):
     assert any(r.reward > 0 for r in results[:-1])
     assert env.expert_action() is None
     after = env.step("look around")
-    assert after.done and not after.info["valid"] and after.info["success"] is True
+    assert after.done and not after.valid and after.success is True
 
 
 def test_invalid_input_changes_nothing_and_says_why(env, tasks):
@@ -117,9 +118,9 @@ def test_invalid_input_changes_nothing_and_says_why(env, tasks):
     world, moves = env.inner.world(), env.inner.sw.get_num_moves()
     for action in ["", "   ", "open the pod bay doors", "99 * 99"]:
         r = env.step(action)
-        assert r.observation.startswith("Invalid action:") and not r.info["valid"]
+        assert r.observation.startswith("Invalid action:") and not r.valid
     r = env.step("xyzzy")
-    assert r.info == {"valid": False, "score": 0} and r.reward == 0.0 and not r.done
+    assert r.valid is False and r.info == {"score": 0} and r.reward == 0.0 and not r.done
     assert "did not understand 'xyzzy'" in r.observation and sciworld.SYNTAX in r.observation
     assert env.inner.sw.get_num_moves() == moves
     assert env.inner.world() == world

@@ -38,7 +38,7 @@ def test_generated_rooms_are_bfs_solvable():
         env.reset(task)
         for move in path:
             result = env.step(move)
-        assert result.done and result.info["success"]
+        assert result.done and result.success
         assert env.state.limit == min(max(4 * len(path), 12), env.max_steps)
 
 
@@ -63,7 +63,7 @@ ROOM = [
 def test_push_mechanics():
     env = _env(ROOM)
     r = env.step("left")
-    assert r.info == {"valid": True} and "nothing happened" in r.observation
+    assert r.valid and r.info == {} and "nothing happened" in r.observation
     assert env.state.player == (1, 1) and env.state.steps == 1
     r = env.step("Move Right.")
     assert "pushed a box right" in r.observation
@@ -85,7 +85,8 @@ def test_push_mechanics():
 def test_solving_ends_the_episode():
     env = _env(["#####", "#PXO#", "#####"])
     r = env.step("right")
-    assert r.done and r.reward == 1.0 and r.info == {"valid": True, "success": True, "answer": "solved"}
+    assert (r.terminated, r.truncated, r.valid, r.success) == (True, False, True, True)
+    assert r.reward == 1.0 and r.info == {"answer": "solved"}
     assert env.observe().splitlines()[1:4] == ["#####", "#_P√#", "#####"]
 
 

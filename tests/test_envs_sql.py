@@ -63,17 +63,17 @@ def test_oracle_solves_the_test_split():
 ])
 def test_read_answers_compared_as_sets(answer, ok):
     r = _env(query=SALES).step(f"answer: {answer}")
-    assert r.done and r.info["valid"] and r.info["success"] is ok and r.reward == float(ok)
+    assert r.done and r.valid and r.success is ok and r.reward == float(ok)
 
 
 def test_ordered_and_multi_column_answers():
     top = "SELECT name FROM emp ORDER BY salary DESC LIMIT 2"
-    assert _env(query=top, ordered=True).step("answer: Cy, Ben").info["success"]
-    assert not _env(query=top, ordered=True).step("answer: Ben, Cy").info["success"]
-    assert _env(query=top).step("answer: Ben, Cy").info["success"]  # not ordered: any order
+    assert _env(query=top, ordered=True).step("answer: Cy, Ben").success
+    assert not _env(query=top, ordered=True).step("answer: Ben, Cy").success
+    assert _env(query=top).step("answer: Ben, Cy").success  # not ordered: any order
     counts = "SELECT d.name, AVG(e.salary) FROM dept d JOIN emp e ON e.dept_id = d.id GROUP BY d.id"
-    assert _env(query=counts).step("answer: Legal, 5500.0; Sales, 5500").info["success"]
-    assert not _env(query=counts).step("answer: Legal, Sales, 5500, 5500").info["success"]
+    assert _env(query=counts).step("answer: Legal, 5500.0; Sales, 5500").success
+    assert not _env(query=counts).step("answer: Legal, Sales, 5500, 5500").success
 
 
 def test_writes_checked_by_the_written_tables():
@@ -82,13 +82,13 @@ def test_writes_checked_by_the_written_tables():
     env.step("sql: UPDATE emp SET salary = ROUND(salary * 1.1) "
              "WHERE dept_id = (SELECT id FROM dept WHERE name = 'Legal')")
     r = env.step("commit")
-    assert r.done and r.info["success"] and r.info["answer"] == stable_hash(env.state.spec.chain[-1])
+    assert r.done and r.success and r.info["answer"] == stable_hash(env.state.spec.chain[-1])
     env = _env(writes=[RAISE])
     env.step("sql: UPDATE emp SET salary = salary + 700")
-    assert not env.step("commit").info["success"]
-    assert _env(query=SALES).step("commit").info["valid"] is False  # a question needs an answer
+    assert not env.step("commit").success
+    assert _env(query=SALES).step("commit").valid is False  # a question needs an answer
     r = _env(writes=[RAISE]).step("answer: 7700")
-    assert r.info["valid"] is False and not r.done and "commit" in r.observation
+    assert r.valid is False and not r.done and "commit" in r.observation
 
 
 def test_expert_repairs_a_wrong_write():
@@ -98,7 +98,7 @@ def test_expert_repairs_a_wrong_write():
     while not env.state.done:
         actions.append(env.expert_action())
         r = env.step(actions[-1])
-    assert r.info["success"]
+    assert r.success
     assert actions[0] == "sql: DELETE FROM emp"
     assert actions[1].startswith("sql: INSERT INTO emp (id, name, dept_id, salary) VALUES (1, 'Ada', 1, 5000)")
     assert actions[2:] == ["commit"]
@@ -119,18 +119,18 @@ def test_statement_guards(statement, why):
     env = _env(query=SALES)
     key = env.state.db
     r = env.step(f"sql: {statement}")
-    assert r.info["valid"] is False and not r.done and r.observation.startswith("Invalid action: SQL error")
+    assert r.valid is False and not r.done and r.observation.startswith("Invalid action: SQL error")
     assert why in r.observation and env.state.db == key
-    assert env.step("sql: PRAGMA table_info(emp)").info["valid"]
+    assert env.step("sql: PRAGMA table_info(emp)").valid
 
 
 def test_huge_writes_are_rolled_back(monkeypatch):
     monkeypatch.setattr(_sqlite, "MAX_CHANGES", 3)
     env = _env(writes=[RAISE])
     r = env.step("sql: UPDATE emp SET salary = 0")
-    assert r.info["valid"] is False and "changes more than 3 rows; nothing was changed" in r.observation
+    assert r.valid is False and "changes more than 3 rows; nothing was changed" in r.observation
     assert env.conn.execute("SELECT SUM(salary) FROM emp").fetchone() == (22000,) and not env.conn.in_transaction
-    assert env.step(f"sql: {RAISE}").info["valid"] and env.step("commit").info["success"]
+    assert env.step(f"sql: {RAISE}").valid and env.step("commit").success
 
 
 def test_results_are_truncated_with_a_marker():
@@ -161,13 +161,13 @@ def test_native_snapshots_share_the_image_of_read_only_branches():
     fresh = make_env("sql")
     fresh.restore(wrote)
     assert fresh.conn.execute("SELECT salary FROM emp WHERE id = 3").fetchone() == (7700,)
-    assert fresh.state_key() == wrote.state_key and fresh.step("commit").info["success"]
+    assert fresh.state_key() == wrote.state_key and fresh.step("commit").success
 
 
 def test_answer_queries_cannot_write():
     env = _env(query=SALES)
     r = env.step("answer: WITH x AS (SELECT 1) DELETE FROM emp")
-    assert r.info["valid"] is False and "must not change the database" in r.observation
+    assert r.valid is False and "must not change the database" in r.observation
     assert env.conn.execute("SELECT COUNT(*) FROM emp").fetchone() == (4,) and env.state.db == env.state.spec.db0
 
 

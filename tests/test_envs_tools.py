@@ -57,14 +57,14 @@ def test_calendar_booking_and_cancelling():
     assert env.step("calendar: 2025-04-17").observation.startswith(
         "Thursday 2025-04-17: E1 10:00-11:00 Standup; E2 14:00-15:30 Review\n")
     r = env.step("book: 2025-04-22, 10:30, 60, Retro")
-    assert r.info == {"valid": True}
+    assert r.valid and r.info == {}
     assert r.observation.startswith("Not booked: 10:30-11:30 overlaps E3 09:00-11:00 Planning.")
     assert len(env.state.events) == 3
     assert env.step("book: 2025-04-22, 11:00, 60, Retro, part 2").observation.startswith(
         "Booked E4: 2025-04-22 11:00-12:00 Retro, part 2.")
-    assert env.step("cancel: e2").info["valid"] and [e[0] for e in env.state.events] == ["E1", "E3", "E4"]
+    assert env.step("cancel: e2").valid and [e[0] for e in env.state.events] == ["E1", "E3", "E4"]
     assert env.step("expense: 12.5 eur, lunch").observation.startswith("Recorded X5: 12.5 EUR for lunch.")
-    assert env.step("cancel: X5").info["valid"] and env.state.ledger == ()
+    assert env.step("cancel: X5").valid and env.state.ledger == ()
 
 
 @pytest.mark.parametrize("action,why", [
@@ -77,7 +77,7 @@ def test_calendar_booking_and_cancelling():
 def test_bad_tool_calls_say_why(action, why):
     env = _env()
     r = env.step(action)
-    assert r.info["valid"] is False and not r.done and why in r.observation
+    assert r.valid is False and not r.done and why in r.observation
     assert env.state.events == env.state.spec.events
 
 
@@ -91,7 +91,7 @@ def test_finish_checks_the_calendar(actions, ok):
     for a in actions:
         env.step(a)
     r = env.step("finish")
-    assert r.done and r.info["success"] is ok and r.reward == float(ok)
+    assert r.done and r.success is ok and r.reward == float(ok)
     assert r.info["answer"].startswith("+2025-04-22 14:")
 
 
@@ -100,7 +100,7 @@ def test_finish_checks_the_calendar(actions, ok):
 def test_finish_checks_expenses_to_the_cent(amount, ok):
     env = _env(goal={"expenses": [["271.72", "USD", "Monitor"]]}, plan=())
     env.step(f"expense: {amount} USD, monitor")
-    assert env.step("finish").info["success"] is ok
+    assert env.step("finish").success is ok
 
 
 def test_expert_reads_then_repairs_the_state():
@@ -112,7 +112,7 @@ def test_expert_reads_then_repairs_the_state():
         actions.append(env.expert_action())
         result = env.step(actions[-1])
     assert actions == ["lookup: holidays", "cancel: E4", "book: 2025-04-22, 14:00, 30, Retro", "finish"]
-    assert result.info["success"] and env.expert_action() is None
+    assert result.success and env.expert_action() is None
 
 
 def test_generated_tasks(monkeypatch):

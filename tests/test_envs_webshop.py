@@ -28,7 +28,7 @@ def _run_expert(env: WebShopEnv, limit: int = 40):
         if action is None:
             return result
         result = env.step(action)
-        assert result.info["valid"], (action, result.observation)
+        assert result.valid, (action, result.observation)
     raise AssertionError("expert did not finish")
 
 
@@ -82,7 +82,7 @@ def test_pages_and_navigation():
     env = _env()
     assert env.valid_actions() == ["search[waterproof cruelty free lipstick]", "search[lipstick]"]
     r = env.step("search[  Lipstick ]")
-    assert r.info == {"valid": True}
+    assert r.valid and r.info == {}
     assert 'Results for "lipstick": page 1 of 5 (50 products) [next >]' in r.observation
     first = env.valid_actions()
     assert first[:2] == [f"click[{BACK}]", f"click[{NEXT}]"] and len(first) == 12
@@ -99,7 +99,7 @@ def test_pages_and_navigation():
     env.step(f"click[{values[0]}]")
     r = env.step(f"click[{values[1]}]")  # choosing again replaces the choice
     assert env.state.chosen == ((kind, values[1]),) and f"[{values[1]}]*" in r.observation
-    assert env.step("search[tent]").info["valid"] is False  # no search box on a product page
+    assert env.step("search[tent]").valid is False  # no search box on a product page
     env.step(f"click[{PREV}]")
     assert env.state.page == "results" and env.state.chosen == () and env.state.page_no == 1
     env.step(f"click[{BACK}]")
@@ -117,7 +117,7 @@ def test_invalid_actions_say_why(action, why):
     key = env.state
     r = env.step(action)
     assert r.observation.startswith("Invalid action:") and why in r.observation
-    assert "Actions: `search[QUERY]`" in r.observation and r.info == {"valid": False}
+    assert "Actions: `search[QUERY]`" in r.observation and r.valid is False and r.info == {}
     assert env.state._replace(steps=0, note="") == key  # nothing but the step count changed
 
 
@@ -137,7 +137,7 @@ def test_buying_a_wrong_product_scores_partially():
     r = env.step("click[buy now]")
     reward, _ = score(env.state.goal, shop.by_id()[tent], ())
     assert r.done and r.reward == pytest.approx(reward) and 0 < r.reward < 0.1
-    assert r.info == {"valid": True, "success": False, "answer": tent}
+    assert (r.terminated, r.valid, r.success) == (True, True, False) and r.info == {"answer": tent}
     assert "Your score (min 0.0, max 1.0): 0.0" in r.observation and env.expert_action() is None
 
 
@@ -146,7 +146,7 @@ def test_expert_solves_every_test_task_with_its_answer():
     for task in TEST:
         env = _env(task)
         r = _run_expert(env)
-        assert r.done and r.reward == 1.0 and r.info["success"]
+        assert r.done and r.reward == 1.0 and r.success
         pid = r.info["answer"].split()[0]
         assert satisfies(env.state.goal, shop.by_id()[pid])
         assert all(f"{k}: {v}" in r.info["answer"] for k, v in env.state.goal.options)
@@ -163,7 +163,7 @@ def test_expert_recovers_from_wrong_pages():
             actions = [a for a in env.valid_actions() if a != f"click[{BUY}]"]
             env.step(rng.choice(actions))
         r = _run_expert(env)
-        assert r.info["success"], task.task_id
+        assert r.success, task.task_id
     env = _env()
     env.step("search[camping tent]")  # no lipstick among the results
     assert env.expert_action() == f"click[{BACK}]"
@@ -203,7 +203,7 @@ def test_jsonl_rows(tmp_path):
     assert second.data["attributes"] == ["machine washable", "short sleeve", "slim fit", "tagless"]
     assert second.data["max_price"] == 20 and second.data["options"] == {}
     env = _env(first)
-    assert _run_expert(env).info["success"]
+    assert _run_expert(env).success
 
 
 @pytest.mark.parametrize("row,reason", [

@@ -1,0 +1,96 @@
+"""What the bundled text envs share about an episode: its state value, its end, its step results.
+
+Every bundled text env keeps its state as one immutable value in ``self.state`` (a NamedTuple for
+the value-snapshot envs, an :class:`Episode` for the native ones) with the fields ``done``,
+``truncated``, ``success`` and ``answer`` (``sciworld``, whose state is the JVM's, keeps them as
+attributes of the env). From such a value:
+
+* :func:`step_result` builds the :class:`~omrl_search.types.StepResult` of a step, with Gymnasium's
+  ``terminated`` (the task reached an end state: solved, answered, won or lost) and ``truncated``
+  (the episode was cut by its step limit) and the typed ``success`` and ``valid`` (see
+  docs/design.md §4); ``info`` keeps the final ``answer`` and env detail;
+* :func:`episode_over` is what stepping a finished episode returns: an invalid action that
+  changes nothing.
+
+:class:`TextEnv` is the base those envs share (``_require``, the invalid-action message), and
+:func:`take_split` how their ``tasks(split, limit)`` check and slice a split.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence, TypeVar
+
+from omrl_search.env import Env, EnvError
+from omrl_search.types import StepResult, Task
+
+EPISODE_OVER = "Invalid action: the episode is over."
+E = TypeVar("E", bound="Episode")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Episode:
+    """How an episode stands after a step (immutable, so snapshots share it); envs subclass it
+    with keyword-only fields of their own (``@dataclass(frozen=True, slots=True, kw_only=True)``)."""
+
+    observation: str
+    steps: int
+    limit: int
+    done: bool = False
+    truncated: bool = False  # ended by the step limit, not by reaching an end state
+    success: bool = False
+    answer: str = ""
+
+    def _replace(self: E, **changes: Any) -> E:
+        return dataclasses.replace(self, **changes)
+
+    def at_limit(self: E, note: str, answer: str = "unfinished") -> E:
+        """This state, or, when it used the last allowed step without ending, the episode cut
+        there (truncated), ``note`` added to the observation."""
+        if self.done or self.steps < self.limit:
+            return self
+        return self._replace(done=True, truncated=True, answer=answer,
+                             observation=f"{self.observation}\n{note}")
+
+
+def step_result(s: Any, observation: str, reward: float, *, valid: bool, **info: Any) -> StepResult:
+    """The result of a step that left the episode in state ``s``; ``info`` gets ``s.answer``
+    when the episode ended."""
+    if s.done:
+        info["answer"] = s.answer
+    return StepResult(observation, reward, terminated=s.done and not s.truncated,
+                      truncated=s.truncated, info=info, success=s.success, valid=valid)
+
+
+def episode_over(s: Any) -> StepResult:
+    """What a step after the end returns: an invalid action that changes nothing (the episode
+    stays ended as it was)."""
+    return step_result(s, EPISODE_OVER, 0.0, valid=False)
+
+
+def take_split(split: str, limit: int | None, splits: Sequence[str],
+               make: Callable[[str], Sequence[Task]]) -> list[Task]:
+    """The first ``limit`` (all when None) of ``make(split)``'s tasks, once ``split`` is known
+    to be one of ``splits``."""
+    if split not in splits:
+        raise ValueError(f"unknown split {split!r} (known: {', '.join(splits)})")
+    tasks = make(split)
+    return list(tasks[:limit] if limit is not None else tasks)
+
+
+class TextEnv(Env):
+    """Base of the bundled text envs whose whole state is the immutable value ``self.state``."""
+
+    state: Any = None
+
+    def observe(self) -> str:
+        """The state's ``observation`` (envs that render their state override this)."""
+        return self._require().observation
+
+    def invalid_note(self, why: str) -> str:
+        """The message of a malformed or inadmissible action: what was wrong and the syntax."""
+        return f"Invalid action: {why}. {self.action_help}"
+
+    def _require(self) -> Any:
+        if self.state is None:
+            raise EnvError("reset() must be called first")
+        return self.state
