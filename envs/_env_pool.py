@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import queue
 import secrets
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -93,7 +94,7 @@ class EnvPool:
         self._ids = itertools.count()
         self._tasks: dict[str, list[Task]] = {}
         self._running_late = 0  # calls past their time limit, still running
-        self._work = ThreadPoolExecutor(2 * max_envs + 4, thread_name_prefix=f"omrl-env-{env}")
+        self._work = Workers(f"omrl-env-{env}")
 
     # --- env work under a time limit -----------------------------------------------------------
     def _deadline(self) -> float:
@@ -204,7 +205,7 @@ class EnvPool:
                         _quiet_close(self._discard(idx, slot, "closed: the server shut down"))
                 finally:
                     slot.lock.release()
-        self._work.shutdown(wait=False, cancel_futures=True)
+        self._work.shutdown()
 
     @contextmanager
     def use(self, idx: int, deadline: float | None = None) -> Iterator[Slot]:
@@ -284,8 +285,12 @@ class EnvPool:
     def reset(self, idx: int, *, task: dict[str, Any] | None = None, data_idx: int | None = None,
               split: str = "test", snapshot: bool = False) -> dict[str, Any]:
         """Start a task on env ``idx``: a client's task dict (validated) or ``data_idx``."""
-        deadline = self._deadline()
-        chosen = self.validate_task(task, deadline) if task is not None else self.task_at(data_idx, split)
+        if task is None:
+            chosen = self.task_at(data_idx, split)  # the env's own list, loaded once: not timed
+            deadline = self._deadline()
+        else:
+            deadline = self._deadline()
+            chosen = self.validate_task(task, deadline)
         with self.use(idx, deadline) as slot:
             env = slot.env
 
@@ -435,6 +440,50 @@ class EnvPool:
                     "max_envs": self.max_envs, "snapshots": len(self._snaps),
                     "max_snapshots": self.max_snapshots, "idle_timeout": self.idle_timeout,
                     "call_timeout": self.call_timeout, "calls_past_limit": self._running_late}
+
+
+class Workers:
+    """Daemon threads running submitted calls, one more whenever none is idle. Unlike
+    ThreadPoolExecutor's, a call stuck past its time limit does not keep the process from
+    exiting."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+        self._closed = False
+
+    def submit(self, fn: Callable, *args: Any) -> Future:
+        future: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the workers were shut down")
+            spawn = self._idle == 0
+            self._idle -= 0 if spawn else 1
+        self._jobs.put((future, fn, args))
+        if spawn:
+            threading.Thread(target=self._run, name=self.name, daemon=True).start()
+        return future
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiting request
+                    future.set_exception(exc)
+            del job, future, fn, args  # hold nothing while waiting for the next job
+            with self._lock:
+                self._idle += 1
+
+    def shutdown(self) -> None:
+        """Idle threads end; busy ones end after their call."""
+        with self._lock:
+            self._closed, idle = True, self._idle
+        for _ in range(idle + 1):
+            self._jobs.put(None)
 
 
 def _env_call(what: str, fn: Callable[[], Any], task: Task | None = None) -> Any:

@@ -160,13 +160,14 @@ def test_a_body_under_the_limit_is_read(client):
 
 # --- the time limit on env work --------------------------------------------------------------
 def test_slow_env_work_is_cut_at_the_limit_and_the_env_discarded():
-    app = create_app("game24", call_timeout=0.5, max_envs=2)
+    app = create_app("game24", max_envs=2)
     pool = app.state.pool
     release, closed = threading.Event(), []
     with serving(app) as base, httpx.Client(base_url=base, timeout=20) as c:
         slow, fine = _new(c), _new(c)
         for idx in (slow, fine):
             assert _reset(c, idx, data_idx=0).status_code == 200
+        pool.call_timeout = 0.5
         with pool.use(slow) as slot:
             slot.env.step = lambda action: release.wait(30)  # hangs until released
             slot.env.close = lambda: closed.append(True)
@@ -204,6 +205,7 @@ def test_a_slow_task_check_is_cut_too():
         task = {"task_id": "t", "data": {"numbers": [4, 6, 1, 1]}}
         r = _reset(c, idx, task=task)
         assert r.status_code == 504 and "env task check ran past" in r.json()["error"]
+        app.state.pool.call_timeout = 60
         assert _reset(c, idx, data_idx=0).status_code == 200  # the env itself was not touched
 
 
