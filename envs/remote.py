@@ -100,7 +100,10 @@ class RemoteEnv(Env):
     ``/info`` (omrl) or from the local env class of that name (AgentGym), unless given.
     ``success_score``: an AgentGym episode succeeded when it ends with ``score`` (else summed
     reward) at least this (SciWorld scores up to 100). AgentGym servers give no final answer
-    (``info["answer"]``), so strategies that vote on answers have nothing to compare there.
+    (``info["answer"]``), so strategies that vote on answers have nothing to compare there, and
+    only ``done``, read as ``terminated``. An omrl server's ``/step`` answer carries the typed
+    ``terminated``, ``truncated``, ``success`` and ``valid`` (older ones: ``done``, and
+    ``success``/``valid`` in ``info``, read the same way).
     """
 
     snapshot_kind = "replay"
@@ -171,17 +174,24 @@ class RemoteEnv(Env):
                            "not an object")
         reward, done = float(out.get("reward") or 0.0), bool(out.get("done"))
         if self.native:
-            obs, info = out["observation"], out.get("info") or {}
+            obs, info = out["observation"], dict(out.get("info") or {})
+            # the typed fields; a server without them sent success/valid in info
+            legacy = {k: info.pop(k) for k in ("success", "valid") if k in info}
+            success = bool(out.get("success", legacy.get("success", False)))
+            valid = bool(out.get("valid", legacy.get("valid", True)))
             self._key, self._ref = out["state_key"], out.get("snapshot_id")
         else:
             obs = str(out["observation"] if "observation" in out else out.get("state", ""))
             self._score = float(out["score"]) if out.get("score") is not None else self._score + reward
-            info = {"score": self._score}
-            if done:
-                info["success"] = self._score >= self.success_score
+            info, valid = {"score": self._score}, True
+            success = done and self._score >= self.success_score
             self._key, self._ref = stable_hash((self._task.task_id, obs)), None
+        # Gymnasium's two flags when the server sends them; a bare ``done`` counts as terminated
+        terminated = bool(out.get("terminated", done and not out.get("truncated")))
+        truncated = bool(out.get("truncated", False))
         self._obs, self._actions = obs, self._actions + (action,)
-        return StepResult(obs, reward, done, info=info)
+        return StepResult(obs, reward, terminated=terminated, truncated=truncated, info=info,
+                          success=success, valid=valid)
 
     def observe(self) -> str:
         return self._obs
