@@ -134,7 +134,7 @@ def make_hooks():
             env = self.env
             env.restore(state)
             res = env.step(action)
-            return env.snapshot(), {"success": bool(res.info.get("success", False))}
+            return env.snapshot(), {"success": res.success}
 
         def is_terminal(self, state):
             return state.payload.done
@@ -200,7 +200,7 @@ def make_agent_hooks(policy: eo.ZeroCostPolicy):
             res = env.step(parsed.action)
             turns = state.turns + ((completion, res.observation),)
             return (AgentState(env.snapshot(), state.first, turns),
-                    {"success": bool(res.info.get("success", False))})
+                    {"success": res.success})
 
         def is_terminal(self, state):
             return state.snapshot.payload.done

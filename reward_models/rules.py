@@ -27,7 +27,7 @@ def format_rule(step: Step) -> float:
 
 
 def outcome_rule(step: Step) -> float:
-    return 1.0 if step.done and (step.success or step.info.get("success")) else 0.0
+    return 1.0 if step.done and step.success else 0.0
 
 
 def tag_count_rule(step: Step) -> float:

@@ -27,7 +27,7 @@ def _traj(*steps: Step) -> Trajectory:
 GOOD = Step("Think: add.\nAct: 1 + 2", "add.", "1 + 2", "Numbers left: 3 3 4", reward=0.0)
 BAD = Step("I am not sure", "", "", "Invalid format", valid=False)
 WIN = Step("Think: done.\nAct: 6 * 4", "done.", "6 * 4", "Solved", reward=1.0, done=True,
-           info={"success": True})
+           success=True)
 DOUBLE = Step("Think: a\nThink: b\nAct: 1 + 2", "a", "1 + 2", "ok")
 
 
