@@ -7,12 +7,13 @@ context or the tree, never on ``self``.
 """
 from __future__ import annotations
 
+import typing
 from collections import Counter
 from dataclasses import fields, is_dataclass
 from typing import Any, Callable, ClassVar, Iterable
 
 from .plugins import Registry, name_if_unnamed
-from .specs import SpecError, parse_spec
+from .specs import SpecError, convert, parse_spec
 from .tree import Node
 
 
@@ -43,6 +44,15 @@ def majority_vote(nodes: Iterable[Node]) -> Node | None:
     return next(n for n in nodes if counts[str(n.step.info["answer"])] == top)
 
 
+def _field_types(cls: type) -> dict[str, Any]:
+    """The fields' annotations resolved (a plugin's string annotations included); ``Any`` for
+    any that cannot be resolved."""
+    try:
+        return typing.get_type_hints(cls)
+    except Exception:  # an annotation naming something not importable here
+        return {}
+
+
 def _is_strategy_class(obj: Any) -> bool:
     return isinstance(obj, type) and issubclass(obj, Strategy) and is_dataclass(obj)
 
@@ -67,18 +77,22 @@ def list_strategies() -> list[str]:
 
 
 def make_strategy(spec: "str | Strategy") -> Strategy:
-    """``"best_of_n:n=8,select=vote"`` -> a configured strategy; a Strategy passes through."""
+    """``"best_of_n:n=8,select_by=vote"`` -> a configured strategy; a Strategy passes through.
+    Each value is read as the type its dataclass field is annotated with, so ``beam:width=abc``
+    fails here in one line (``strategy 'beam': width must be an int, got 'abc'``)."""
     if isinstance(spec, Strategy):
         return spec
-    name, params = parse_spec(spec, "strategy")
+    name, raw = parse_spec(spec, "strategy", raw=True)
     cls = _STRATEGIES.get(name)
     if cls is None:
         raise SpecError(_STRATEGIES.unknown("strategy", name))
     known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-    bad = sorted(set(params) - known)
+    bad = sorted(set(raw) - known)
     if bad:
         raise SpecError(f"strategy {name!r} has no parameter {', '.join(bad)} "
                         f"(known: {', '.join(sorted(known)) or 'none'})")
+    hints = _field_types(cls)
+    params = {k: convert(v, hints.get(k, Any), f"strategy {name!r}: {k}") for k, v in raw.items()}
     try:
         return cls(**params)
     except (TypeError, ValueError) as exc:
