@@ -9,11 +9,13 @@ from .executors import Executor
 from .policy import Policy
 from .result import SearchResult
 from .reward import RewardModel
+from .specs import finite_limits, parse_kv
 from .strategy import Strategy, make_strategy
 from .types import SamplingParams, Task
 
-SUMMARY_FIELDS = ("tasks", "successes", "success_rate", "prompt_tokens", "completion_tokens",
-                  "lm_calls", "rm_calls", "env_steps", "seconds", "faults")
+#: a run's summary row; ``ci_low``/``ci_high`` bound the success rate (Wilson 95%, docs/design.md §8)
+SUMMARY_FIELDS = ("tasks", "successes", "success_rate", "ci_low", "ci_high", "prompt_tokens",
+                  "completion_tokens", "lm_calls", "rm_calls", "env_steps", "seconds", "faults")
 
 
 def load_tasks(env: str, split: str = "test", limit: int | None = None,
@@ -52,10 +54,19 @@ def search_many(tasks: Sequence[Task], *, strategy: "str | Strategy" = "react",
     """
     where = Executor.parse(executor, ray_address)
     return where.search(tasks, strategy=make_strategy(strategy), policy=policy,
-                        reward_model=reward_model, budget=Budget.parse(budget), progress=progress,
+                        reward_model=reward_model, budget=parse_budget(budget), progress=progress,
                         on_result=on_result, policy_weights=policy_weights, seed=seed,
                         max_depth=max_depth, sampling=sampling, concurrency=concurrency,
                         env_factory=env_factory, schedule=schedule, prefix_order=prefix_order)
+
+
+def parse_budget(spec: "str | dict | Budget | None") -> Budget:
+    """:meth:`Budget.parse`, refusing ``nan``/``inf`` limits (they would run unlimited)."""
+    if isinstance(spec, str):
+        spec = parse_kv(spec, "budget")
+    if isinstance(spec, (dict, Budget)):
+        finite_limits(spec.limits if isinstance(spec, Budget) else spec)
+    return Budget.parse(spec)
 
 
 def search(task: Task, **kwargs: Any) -> SearchResult:
@@ -64,12 +75,13 @@ def search(task: Task, **kwargs: Any) -> SearchResult:
 
 
 def summarize(results: Iterable[SearchResult], seconds: float | None = None) -> dict[str, Any]:
-    """Per-run figures: tasks, successes, success rate, budget spent summed, faults."""
+    """Per-run figures: tasks, successes, success rate with its Wilson 95% interval
+    (``ci_low``, ``ci_high``), budget spent summed, faults."""
+    from .stats import rate  # scipy: imported when a summary is made, not with the package
+
     results = list(results)
     out: dict[str, Any] = dict.fromkeys(SUMMARY_FIELDS, 0)
-    out["tasks"] = len(results)
-    out["successes"] = sum(r.success for r in results)
-    out["success_rate"] = round(out["successes"] / len(results), 4) if results else 0.0
+    out.update(rate(sum(bool(r.success) for r in results), len(results)))
     for r in results:
         for key in ("prompt_tokens", "completion_tokens", "lm_calls", "rm_calls", "env_steps"):
             out[key] += int(r.spent.get(key, 0))

@@ -54,13 +54,28 @@ def mcnemar(a: Mapping[str, bool], b: Mapping[str, bool]) -> dict[str, float | i
 
 def outcomes(results: Iterable) -> dict[str, bool]:
     """``task_id -> success`` of a run's :class:`~omrl_search.result.SearchResult` s (or of
-    dicts with ``task``/``success`` as read back from results.jsonl)."""
+    dicts with ``task``/``success`` as read back from results.jsonl, or with ``task_id`` and
+    ``success`` as in a bench's outcomes.jsonl)."""
     out: dict[str, bool] = {}
     for r in results:
-        task = r["task"] if isinstance(r, dict) else r.task
-        tid = task["task_id"] if isinstance(task, dict) else task.task_id
-        out[tid] = bool(r["success"] if isinstance(r, dict) else r.success)
+        if isinstance(r, dict):
+            tid = r["task_id"] if "task_id" in r else r["task"]["task_id"]
+            out[tid] = bool(r["success"])
+        else:
+            out[r.task.task_id] = bool(r.success)
     return out
+
+
+def paired(baseline: str, a: Mapping[str, bool], b: Mapping[str, bool]) -> dict[str, float | int | str]:
+    """The ``paired`` block of a summary row: :func:`mcnemar` of ``b`` against ``a`` (the run
+    named ``baseline``), with that name under ``vs``."""
+    return {"vs": baseline, **mcnemar(a, b)}
+
+
+def fmt_paired(block: Mapping[str, float | int | str]) -> str:
+    """``"+0.07 (20 vs 5) p=0.0041"``: the difference in success rate against the baseline, the
+    tasks only this run solved vs only the baseline solved, and the exact McNemar p-value."""
+    return f"{block['diff']:+.2f} ({block['b_only']} vs {block['a_only']}) p={block['p_value']:.2g}"
 
 
 def fmt_rate(row: Mapping[str, float | int]) -> str:
