@@ -1,25 +1,29 @@
 """compare strategies at matched compute: every strategy at every budget, table and plots
 
-``omrl bench --env game24 --limit 100 --strategies react,beam,mcts --budgets tokens=2000,8000``
-runs each strategy on the same tasks under each per-task budget (any budget kind) and writes
-``DIR/summary.json`` (per strategy and budget, the fields of ``omrl search``'s summary),
-``DIR/table.md``, ``DIR/scaling.png`` (success rate against tokens spent per task, one line per
-strategy) and ``DIR/scaling_env_steps.png`` (against env steps). Every argument is checked
-before anything runs or is written. From Python (the loop's evaluations): :func:`bench`.
+``omrl bench --env game24 --strategies react,beam,mcts --budgets tokens=2000,8000`` runs each
+strategy on the same tasks (the whole split unless ``--limit``) under each per-task budget (any
+budget kind) and writes ``DIR/summary.json`` (per strategy and budget, the fields of ``omrl
+search``'s summary: success rate with its Wilson 95% interval and, after the first strategy, an
+exact McNemar test against it at the same budget), ``DIR/table.md``, ``DIR/outcomes.jsonl`` (per
+task), ``DIR/scaling.png`` (success rate with error bars against tokens spent per task, one line
+per strategy) and ``DIR/scaling_env_steps.png`` (against env steps). Every argument and DIR are
+checked before anything runs; DIR appears whole at the end (docs/design.md §8 for the
+statistics). From Python (the loop's evaluations): :func:`bench`.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Sequence
 
-from .api import search_many, summarize
-from .budget import KINDS, Budget
+from .api import parse_budget, search_many, summarize
+from .budget import KINDS
 from .executors import Executor
+from .outdir import OutDir, ResultLog
 from .policy import Policy, make_policy
-from .result import write_results, write_text_atomic
 from .reward import make_reward_model
 from .specs import SpecError, UsageError, coerce
 from .strategy import Strategy, make_strategy
@@ -68,7 +72,7 @@ def parse_budgets(text: str) -> tuple[str, list[float]]:
     out = []
     for v in values.split(","):
         value = coerce(v.strip())
-        Budget({kind: value})  # validates: a positive number
+        parse_budget({kind: value})  # validates: a finite positive number
         out.append(value)
     if len(set(out)) != len(out):
         raise SpecError(f"bad --budgets {text!r}: repeated value")
@@ -89,8 +93,8 @@ def run(args: argparse.Namespace) -> int:
     flat = {f"{n}@{b}": s for n, per in summary["strategies"].items() for b, s in per.items()}
     print(format_table(flat))
     out = Path(args.out)
-    print(f"wrote {out / 'summary.json'}, {out / 'table.md'}, {out / 'scaling.png'} and "
-          f"{out / 'scaling_env_steps.png'}")
+    print(f"wrote {out / 'summary.json'}, {out / 'table.md'}, {out / 'outcomes.jsonl'}, "
+          f"{out / 'scaling.png'} and {out / 'scaling_env_steps.png'}")
     return 0
 
 
@@ -101,16 +105,20 @@ def bench(tasks: Sequence[Task], strategies: "str | Sequence[str | Strategy]", b
           ray_address: str | None = None, concurrency: int | None = None,
           max_depth: int | None = None, source: str | None = None) -> dict[str, Any]:
     """Every strategy on ``tasks`` at every budget; the summary (``{"config", "strategies"}``,
-    per strategy and budget the fields of ``omrl search``'s summary).
+    per strategy and budget the fields of ``omrl search``'s summary: success rate with its Wilson
+    95% interval and, for every strategy after the first, ``paired``: an exact McNemar test
+    against the first strategy at the same budget on the same tasks).
 
     ``strategies``: spec strings, or one comma string as ``--strategies`` takes; ``budgets``:
     ``"KIND=V1,V2,..."`` as ``--budgets`` takes; ``policy``/``reward_model``: specs or objects
     (built once here for a local executor; Ray actors build specs themselves); ``max_tokens``
-    None is :data:`~omrl_search.types.DEFAULT_MAX_TOKENS`. With ``out``, writes
-    ``summary.json``, ``table.md``, the two plots (and with ``save_trees`` ``trees/*.jsonl``)
-    there. ``source`` names where the tasks came from in the summary (default: their splits).
-    Every argument is checked before any search runs or anything is written (a bad one raises
-    SpecError, UsageError, PolicyError or ValueError with one line).
+    None is :data:`~omrl_search.types.DEFAULT_MAX_TOKENS`. With ``out``, writes there as a whole
+    (:mod:`omrl_search.outdir`) ``summary.json``, ``table.md``, the two plots, ``outcomes.jsonl``
+    (one line per strategy, budget and task, appended as each task finishes) and with
+    ``save_trees`` ``trees/*.jsonl`` (also appended task by task); a run that raises keeps them
+    in ``OUT.partial``. ``source`` names where the tasks came from in the summary (default:
+    their splits). Every argument, ``out`` included, is checked before any search runs (a bad
+    one raises SpecError, UsageError, PolicyError or ValueError with one line).
     """
     # --- validate everything first -------------------------------------------------------------
     tasks = list(tasks)
@@ -122,58 +130,90 @@ def bench(tasks: Sequence[Task], strategies: "str | Sequence[str | Strategy]", b
         raise SpecError("no strategies to bench")
     kind, limits = parse_budgets(budgets)
     where = Executor.parse(executor, ray_address)
-    out = Path(out) if out is not None else None
     if out is None and save_trees:
         raise UsageError("save_trees needs an output directory (out=)")
     if out is not None:
-        if out.exists() and not out.is_dir():
-            raise UsageError(f"--out {out} exists and is not a directory")
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             raise UsageError("omrl bench needs matplotlib for its plots: pip install matplotlib") from None
-    rm = where.build(make_reward_model, reward_model)
-    pol = where.build(make_policy, policy)
     sampling = SamplingParams(temperature=temperature,
                               max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
-    names = _names(strats)
+    with OutDir.open(out) if out is not None else nullcontext() as od:
+        rm = where.build(make_reward_model, reward_model)
+        pol = where.build(make_policy, policy)
+        rows = _run_all(tasks, strats, kind, limits, od, save_trees, progress, policy=pol,
+                        reward_model=rm, seed=seed, max_depth=max_depth, sampling=sampling,
+                        concurrency=concurrency, executor=where)
+        env = tasks[0].env
+        config = {"env": env, "split": source or ",".join(sorted({t.split for t in tasks})),
+                  "tasks": len(tasks), "policy": _spec_of(policy), "reward_model": _spec_of(reward_model),
+                  "budget_kind": kind, "budgets": limits, "seed": seed}
+        summary = {"config": config, "strategies": rows}
+        if od is not None:
+            (od.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            (od.path / "table.md").write_text(markdown(config, rows))
+            plot(rows, od.path / "scaling.png", "tokens", f"tokens spent per task ({env}, {config['policy']})")
+            plot(rows, od.path / "scaling_env_steps.png", "env_steps",
+                 f"env steps per task ({env}, {config['policy']})")
+    return summary
 
-    # --- run -----------------------------------------------------------------------------------
+
+def _run_all(tasks: list[Task], strats: list[Strategy], kind: str, limits: list[float],
+             od: OutDir | None, save_trees: bool, progress: bool,
+             **search_kwargs: Any) -> dict[str, dict[str, dict[str, Any]]]:
+    """The searches: rows per strategy and budget; with ``od``, each finished task's outcome
+    (and tree) appended to its file at once, so a run that fails keeps every finished task."""
+    from .stats import outcomes, paired  # scipy: loaded when a bench runs, not with `omrl --help`
+
+    names = _names(strats)
+    order = {t.task_id: i for i, t in reversed(list(enumerate(tasks)))}
+    log = None
+    if od is not None:
+        log = ResultLog(od.path / "outcomes.jsonl", od)
+        od.main_file = "outcomes.jsonl"
     rows: dict[str, dict[str, dict[str, Any]]] = {}
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-    for name, strat in zip(names, strats):
+    solved: dict[tuple[str, str], dict[str, bool]] = {}
+    for si, (name, strat) in enumerate(zip(names, strats)):
         bar = _bar(name, len(tasks) * len(limits)) if progress else None
         rows[name] = {}
-        for limit in limits:
+        for bi, limit in enumerate(limits):
             label = f"{kind}={limit:g}"
+            trees = ResultLog(od.path / "trees" / f"{name}@{label}.jsonl") if od and save_trees else None
+
+            def on_result(r: Any, name: str = name, label: str = label, key: tuple = (si, bi), trees=trees) -> None:
+                at = (*key, order.get(r.task.task_id, len(order)))
+                if log is not None:
+                    log.add(at, json.dumps(outcome_line(name, label, r)))
+                if trees is not None:
+                    trees.add(at, r.to_json())
+                if bar is not None:
+                    bar.update(1)
+
             t0 = time.perf_counter()
-            results = search_many(tasks, strategy=strat, policy=pol, reward_model=rm,
-                                  budget={kind: limit}, seed=seed, max_depth=max_depth,
-                                  sampling=sampling, concurrency=concurrency,
-                                  on_result=(lambda r: bar.update(1)) if bar else None,
-                                  executor=where)
-            rows[name][label] = {"strategy": strat.spec(), **summarize(results, time.perf_counter() - t0)}
+            results = search_many(tasks, strategy=strat, budget={kind: limit}, on_result=on_result,
+                                  **search_kwargs)
+            row = rows[name][label] = {"strategy": strat.spec(), **summarize(results, time.perf_counter() - t0)}
+            solved[name, label] = outcomes(results)
+            del results
+            if si:
+                row["paired"] = paired(names[0], solved[names[0], label], solved[name, label])
+            if trees is not None:
+                trees.close()
             if bar is not None:
-                bar.set_postfix({label: f"{rows[name][label]['success_rate']:.2f}"})
-            if save_trees and out is not None:
-                (out / "trees").mkdir(exist_ok=True)
-                write_results(out / "trees" / f"{name}@{label}.jsonl", results)
+                bar.set_postfix({label: f"{row['success_rate']:.2f}"})
         if bar is not None:
             bar.close()
+    if log is not None:
+        log.close()
+    return rows
 
-    env = tasks[0].env
-    config = {"env": env, "split": source or ",".join(sorted({t.split for t in tasks})),
-              "tasks": len(tasks), "policy": _spec_of(policy), "reward_model": _spec_of(reward_model),
-              "budget_kind": kind, "budgets": limits, "seed": seed}
-    summary = {"config": config, "strategies": rows}
-    if out is not None:
-        write_text_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
-        write_text_atomic(out / "table.md", markdown(config, rows))
-        plot(rows, out / "scaling.png", "tokens", f"tokens spent per task ({env}, {config['policy']})")
-        plot(rows, out / "scaling_env_steps.png", "env_steps",
-             f"env steps per task ({env}, {config['policy']})")
-    return summary
+
+def outcome_line(name: str, label: str, r: Any) -> dict[str, Any]:
+    """One line of ``outcomes.jsonl``: a task's result without its tree."""
+    return {"strategy": name, "budget": label, "task_id": r.task.task_id, "success": bool(r.success),
+            "stop_reason": r.stop_reason, "faults": len(r.faults), "seconds": round(r.seconds, 4),
+            "spent": r.spent}
 
 
 def _spec_of(obj: Any) -> Any:
@@ -200,16 +240,30 @@ def per_task(s: dict[str, Any], key: str) -> float:
 
 
 def markdown(config: dict[str, Any], rows: dict[str, dict[str, dict[str, Any]]]) -> str:
-    """``table.md``: success rate per strategy and budget, then the compute actually spent."""
+    """``table.md``: success rate with its 95% interval per strategy and budget, the paired test
+    of each strategy against the first, then the compute actually spent."""
+    from .stats import fmt_paired
+
     labels = [f"{config['budget_kind']}={b:g}" for b in config["budgets"]]
     lines = [f"# omrl bench: {config['env']} ({config['split']}, {config['tasks']} tasks), "
              f"policy `{config['policy']}`, seed {config['seed']}", "",
-             "Success rate per per-task budget (`*`: the env's success check steers the search "
-             "or picks the answer — verifier in the loop).", "",
+             "Success rate per per-task budget, with its Wilson 95% interval (`*`: the env's "
+             "success check steers the search or picks the answer — verifier in the loop).", "",
              "| strategy | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
     for name, per in rows.items():
         mark = "*" if any(s["verifier_in_loop"] for s in per.values()) else ""
-        lines.append(f"| {name}{mark} | " + " | ".join(f"{per[b]['success_rate']:.2f}" for b in labels) + " |")
+        lines.append(f"| {name}{mark} | " + " | ".join(_rate_cell(per[b]) for b in labels) + " |")
+    pairs = [(name, b, per[b]["paired"]) for name, per in rows.items() for b in labels if "paired" in per[b]]
+    if pairs:
+        first = pairs[0][2]["vs"]
+        lines += ["", f"Against {first} at the same budget on the same tasks (exact McNemar): the "
+                  f"difference in success rate, the tasks solved only by the strategy vs only by "
+                  f"{first}, and the two-sided p-value.", "",
+                  "| strategy | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
+        for name, per in rows.items():
+            if any("paired" in per[b] for b in labels):
+                lines.append(f"| {name} | " + " | ".join(fmt_paired(per[b]["paired"]) if "paired" in per[b]
+                                                          else "–" for b in labels) + " |")
     lines += ["", "Compute spent, mean per task:", "",
               "| strategy | budget | success | tokens | lm_calls | rm_calls | env_steps | faults |",
               "|---|---|---|---|---|---|---|---|"]
@@ -222,8 +276,13 @@ def markdown(config: dict[str, Any], rows: dict[str, dict[str, dict[str, Any]]])
     return "\n".join(lines) + "\n"
 
 
+def _rate_cell(s: dict[str, Any]) -> str:
+    return f"{s['success_rate']:.2f} [{s['ci_low']:.2f}, {s['ci_high']:.2f}]"
+
+
 def plot(rows: dict[str, dict[str, dict[str, Any]]], path: Path, key: str, xlabel: str) -> None:
-    """Success rate against the mean compute actually spent per task, one line per strategy."""
+    """Success rate (error bars: its 95% interval) against the mean compute actually spent per
+    task, one line per strategy."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -231,20 +290,20 @@ def plot(rows: dict[str, dict[str, dict[str, Any]]], path: Path, key: str, xlabe
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, (name, per) in enumerate(rows.items()):
-        pts = sorted((per_task(s, key), s["success_rate"]) for s in per.values())
+        pts = sorted((per_task(s, key), s["success_rate"], s["ci_low"], s["ci_high"]) for s in per.values())
         verifier = any(s["verifier_in_loop"] for s in per.values())
-        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="osv^DPX*"[i % 8], markersize=7 - i % 3,
-                linestyle="--" if verifier else "-", alpha=0.85, zorder=10 - i,
-                label=name + (" (verifier)" if verifier else ""))
+        ax.errorbar([x for x, *_ in pts], [y for _, y, *_ in pts],
+                    yerr=[[y - lo for _, y, lo, _ in pts], [hi - y for _, y, _, hi in pts]],
+                    marker="osv^DPX*"[i % 8], markersize=7 - i % 3, capsize=3, elinewidth=1,
+                    linestyle="--" if verifier else "-", alpha=0.85, zorder=10 - i,
+                    label=name + (" (verifier)" if verifier else ""))
     if all(x > 0 for per in rows.values() for x in (per_task(s, key) for s in per.values())):
         ax.set_xscale("log")
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("success rate")
+    ax.set_ylabel("success rate (95% interval)")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=120)
+    fig.savefig(path, dpi=120)  # inside the output's temporary directory: no temp file needed
     plt.close(fig)
-    tmp.replace(path)

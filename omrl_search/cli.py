@@ -16,23 +16,24 @@ import argparse
 import json
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Sequence
 
-from .api import SUMMARY_FIELDS, load_tasks, search_many, summarize
-from .budget import Budget
+from .api import load_tasks, parse_budget, search_many, summarize
 from .env import EnvError, TaskFileError, env_class, env_server_factory, list_envs
 from .executors import Executor, parse_executor
+from .outdir import OutDir, ResultLog
 from .plugins import COMMANDS, PluginError, command_help
 from .policy import PolicyError, list_policies, make_policy
-from .result import write_results, write_text_atomic
 from .reward import list_reward_models, make_reward_model
 from .specs import SpecError, UsageError
 from .strategy import list_strategies, make_strategy
 from .types import DEFAULT_MAX_TOKENS, SamplingParams
 
 __all__ = ["UsageError", "add_executor_args", "add_run_args", "add_task_args", "executor_from_args",
-           "format_table", "main", "models_from_args", "sampling_from_args", "tasks_from_args"]
+           "format_table", "main", "models_from_args", "sampling_from_args", "search_strategies",
+           "tasks_from_args"]
 
 #: the policy of ``omrl search`` / ``omrl bench`` when none is given (no model needed)
 DEFAULT_POLICY = "scripted:oracle:p=0.3"
@@ -40,6 +41,8 @@ DEFAULT_POLICY = "scripted:oracle:p=0.3"
 LISTINGS = {"envs": ("environments", list_envs), "strategies": ("strategies", list_strategies),
             "policies": ("policy backends", list_policies),
             "reward-models": ("reward models", list_reward_models)}
+#: the compute columns of the printed table
+COST_FIELDS = ("prompt_tokens", "completion_tokens", "lm_calls", "rm_calls", "env_steps", "seconds", "faults")
 #: what a command may raise for bad input: one line, exit status 2
 USER_ERRORS = (UsageError, SpecError, PolicyError, TaskFileError, EnvError, PluginError, ValueError,
                KeyError)
@@ -51,7 +54,7 @@ def add_task_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--env", required=True, help="environment name (`omrl envs` lists them)")
     p.add_argument("--split", default="test", help="task split (train|test)")
     p.add_argument("--file", help="a JSONL file of tasks instead of the built-in split")
-    p.add_argument("--limit", type=int, default=None, help="first N tasks")
+    p.add_argument("--limit", type=int, default=None, help="first N tasks (default: the whole split)")
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
@@ -123,42 +126,67 @@ def _configure_search(s: argparse.ArgumentParser) -> None:
                    help="step envs on an `omrl env serve` at URL (agentgym+URL, webshop+URL, "
                         "sqlgym+URL: an AgentGym server; other schemes: env-server plugins)")
     add_run_args(s)
-    s.add_argument("--out", default=None, help="write DIR/results.jsonl and DIR/summary.json")
+    s.add_argument("--out", default=None,
+                   help="write DIR/results.jsonl (task by task) and DIR/summary.json; DIR appears "
+                        "whole at the end (a failed run's finished tasks: DIR.partial)")
 
 
 def _search(args: argparse.Namespace) -> int:
     tasks = tasks_from_args(args)
     strategies = [make_strategy(s) for s in (args.strategy or ["react"])]
-    budget = Budget.parse(args.budget)
-    out = Path(args.out) if args.out else None
-    if out is not None and out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} exists and is not a directory")
-    executor, policy, reward_model = models_from_args(args)
-    sampling = sampling_from_args(args)
+    budget = parse_budget(args.budget)
     env_factory = None
     if args.env_server:
         env_factory = env_server_factory(args.env_server, args.env)
         if args.concurrency is None:  # each tree holds a server env: stay under the server's cap
             args.concurrency = getattr(env_factory, "max_envs", None)
+    executor = executor_from_args(args)
+    # the output is checked (and its temporary sibling made) before any model is built
+    with OutDir.open(args.out) if args.out else nullcontext() as out:
+        executor, policy, reward_model = models_from_args(args)
+        summary = search_strategies(tasks, strategies, out, policy=policy, reward_model=reward_model,
+                                    budget=budget, seed=args.seed, max_depth=args.max_depth,
+                                    sampling=sampling_from_args(args), concurrency=args.concurrency,
+                                    progress=not args.no_progress, env_factory=env_factory,
+                                    executor=executor)
+        print(format_table(summary))
+    if args.out:
+        print(f"wrote {Path(args.out) / 'results.jsonl'} and {Path(args.out) / 'summary.json'}")
+    return 0
 
-    summary, all_results = {}, []
-    for strat in strategies:
+
+def search_strategies(tasks: list, strategies: list, out: OutDir | None, **kwargs: Any) -> dict[str, dict]:
+    """Each strategy over ``tasks`` (``kwargs``: :func:`search_many`'s); the summary keyed by
+    strategy name (the whole spec for a repeated name), each row with its Wilson interval and,
+    after the first, a ``paired`` McNemar test against the first on the same tasks. With
+    ``out``, every result is appended to ``results.jsonl`` as its task finishes (in task order
+    once done) and ``summary.json`` is written at the end."""
+    from .stats import outcomes, paired
+
+    log = None
+    if out is not None:
+        log = ResultLog(out.path / "results.jsonl", out)
+        out.main_file = "results.jsonl"
+    order = {t.task_id: i for i, t in reversed(list(enumerate(tasks)))}
+    summary: dict[str, dict] = {}
+    solved: dict[str, dict[str, bool]] = {}
+    for k, strat in enumerate(strategies):
+        on_result = None
+        if log is not None:
+            on_result = lambda r, k=k: log.add((k, order.get(r.task.task_id, len(order))), r.to_json())  # noqa: E731
         t0 = time.perf_counter()
-        results = search_many(tasks, strategy=strat, policy=policy, reward_model=reward_model,
-                              budget=budget, seed=args.seed, max_depth=args.max_depth,
-                              sampling=sampling, concurrency=args.concurrency,
-                              progress=not args.no_progress, env_factory=env_factory,
-                              executor=executor)
+        results = search_many(tasks, strategy=strat, on_result=on_result, **kwargs)
         key = strat.spec() if len(strategies) > 1 and strat.name in summary else strat.name
         summary[key] = summarize(results, time.perf_counter() - t0)
-        all_results += results
-    print(format_table(summary))
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        write_results(out / "results.jsonl", all_results)
-        write_text_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
-        print(f"wrote {out / 'results.jsonl'} and {out / 'summary.json'}")
-    return 0
+        solved[key] = outcomes(results)
+        del results  # one strategy's trees in memory at a time
+    first = next(iter(summary))
+    for key in list(summary)[1:]:
+        summary[key]["paired"] = paired(first, solved[first], solved[key])
+    if out is not None and log is not None:
+        log.close()
+        (out.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
 
 
 # --- the parser and main ----------------------------------------------------------------------
@@ -204,15 +232,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         return COMMANDS.get(args.command).run(args)
     except USER_ERRORS as exc:
-        msg = exc.args[0] if exc.args else type(exc).__name__
-        print(f"omrl: error: {msg}", file=sys.stderr)
+        msg = str(exc.args[0]) if exc.args else type(exc).__name__
+        notes = getattr(exc, "__notes__", [])  # e.g. where a failed run's finished tasks are
+        print(f"omrl: error: {'; '.join([msg.splitlines()[0] if msg else msg, *notes])}", file=sys.stderr)
         return 2
 
 
 def format_table(summary: dict[str, dict]) -> str:
-    """A plain-text table, one row per strategy."""
-    cols = ("strategy",) + SUMMARY_FIELDS
-    rows = [[name] + [_fmt(s[c]) for c in SUMMARY_FIELDS] for name, s in summary.items()]
+    """A plain-text table, one row per strategy: success with its 95% interval, the paired test
+    against the first row (when there is one), then the compute spent."""
+    from .stats import fmt_paired, fmt_rate
+
+    against = {s["paired"]["vs"] for s in summary.values() if "paired" in s}
+    paired = bool(against)
+    vs = f"vs {against.pop()}" if len(against) == 1 else "paired"
+    cols = ["strategy", "success [95% CI]"] + ([f"{vs} (McNemar)"] if paired else []) + list(COST_FIELDS)
+    rows = [[name, fmt_rate(s) if "ci_low" in s else _fmt(s["success_rate"])]
+            + ([fmt_paired(s["paired"]) if "paired" in s else "-"] if paired else [])
+            + [_fmt(s[c]) for c in COST_FIELDS] for name, s in summary.items()]
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     line = lambda vals: "  ".join(v.ljust(w) if i == 0 else v.rjust(w)  # noqa: E731
                                   for i, (v, w) in enumerate(zip(vals, widths)))

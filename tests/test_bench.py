@@ -5,10 +5,11 @@ import json
 
 import pytest
 
-from omrl_search.api import SUMMARY_FIELDS
+from omrl_search.api import SUMMARY_FIELDS, load_tasks
 from omrl_search.bench import parse_budgets, split_strategies
 from omrl_search.cli import main
 from omrl_search.specs import SpecError
+from omrl_search.stats import fmt_paired, mcnemar, wilson
 
 pytest.importorskip("matplotlib")
 
@@ -22,19 +23,63 @@ def test_bench_writes_summary_table_and_plots(tmp_path, capsys):
     data = json.loads((out / "summary.json").read_text())
     assert data["config"]["budgets"] == [2, 20] and data["config"]["tasks"] == 8
     assert list(data["strategies"]) == ["react", "beam", "mcts"]
+    outcomes = [json.loads(line) for line in (out / "outcomes.jsonl").read_text().splitlines()]
+    assert len(outcomes) == 3 * 2 * 8
+    ids = [t.task_id for t in load_tasks("game24", "test", 8)]
+    solved = {}
     for name, per in data["strategies"].items():
         assert list(per) == ["lm_calls=2", "lm_calls=20"]
-        for row in per.values():
-            assert set(SUMMARY_FIELDS) | {"verifier_in_loop", "strategy"} == set(row)
-            assert row["tasks"] == 8
+        for label, row in per.items():
+            assert set(SUMMARY_FIELDS) | {"verifier_in_loop", "strategy"} | ({"paired"} if name != "react" else set()) \
+                == set(row)
+            mine = [o for o in outcomes if (o["strategy"], o["budget"]) == (name, label)]
+            assert [o["task_id"] for o in mine] == ids  # task order, though appended as tasks finished
+            solved[name, label] = {o["task_id"]: o["success"] for o in mine}
+            assert row["tasks"] == 8 and row["successes"] == sum(solved[name, label].values())
+            assert (row["ci_low"], row["ci_high"]) == pytest.approx(wilson(row["successes"], 8), abs=1e-4)
+            if name != "react":  # each strategy against the first at the same budget, same tasks
+                assert row["paired"] == {"vs": "react", **mcnemar(solved["react", label], solved[name, label])}
         assert per["lm_calls=2"]["lm_calls"] <= per["lm_calls=20"]["lm_calls"]
+    assert data["strategies"]["mcts"]["lm_calls=20"]["paired"]["b_only"] > 0
     assert data["strategies"]["beam"]["lm_calls=2"]["strategy"].startswith("beam:width=2,k=2")
     table = (out / "table.md").read_text()
     assert "| mcts* |" in table and "| beam | lm_calls=20 |" in table
+    mcts = data["strategies"]["mcts"]["lm_calls=20"]
+    assert f"{mcts['success_rate']:.2f} [{mcts['ci_low']:.2f}, {mcts['ci_high']:.2f}]" in table
+    assert "exact McNemar" in table and fmt_paired(mcts["paired"]) in table
     for png in ("scaling.png", "scaling_env_steps.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert len((out / "trees" / "react@lm_calls=2.jsonl").read_text().splitlines()) == 8
-    assert "react@lm_calls=20" in capsys.readouterr().out
+    trees = [json.loads(line) for line in (out / "trees" / "mcts@lm_calls=20.jsonl").read_text().splitlines()]
+    assert [t["task"]["task_id"] for t in trees] == ids
+    assert {t["task"]["task_id"]: t["success"] for t in trees} == solved["mcts", "lm_calls=20"]
+    printed = capsys.readouterr().out
+    assert "react@lm_calls=20" in printed and fmt_paired(mcts["paired"]) in printed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench"]  # no temporary sibling left
+
+
+def test_plots_have_error_bars(tmp_path, monkeypatch):
+    """The plots draw each point's 95% interval (matplotlib errorbar, whose bounds are checked)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.axes
+
+    from omrl_search.bench import plot
+
+    drawn = []
+    real = matplotlib.axes.Axes.errorbar
+    monkeypatch.setattr(matplotlib.axes.Axes, "errorbar",
+                        lambda self, x, y, yerr=None, **kw: drawn.append((x, y, yerr)) or real(self, x, y, yerr=yerr, **kw))
+    row = lambda k, n, tokens: {"tasks": n, "successes": k, "success_rate": k / n,  # noqa: E731
+                                **dict(zip(("ci_low", "ci_high"), wilson(k, n))),
+                                "prompt_tokens": tokens * n, "completion_tokens": 0, "verifier_in_loop": False}
+    plot({"react": {"tokens=100": row(3, 10, 90), "tokens=400": row(7, 10, 350)}}, tmp_path / "p.png",
+         "tokens", "tokens")
+    ((x, y, (below, above)),) = drawn
+    assert x == [90, 350] and y == [0.3, 0.7]
+    assert below == pytest.approx([0.3 - wilson(3, 10)[0], 0.7 - wilson(7, 10)[0]])
+    assert above == pytest.approx([wilson(3, 10)[1] - 0.3, wilson(7, 10)[1] - 0.7])
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -47,6 +92,9 @@ def test_bench_writes_summary_table_and_plots(tmp_path, capsys):
     (["--budgets", "joules=5"], "KIND=V1,V2"),
     (["--budgets", "tokens=100,-5"], "tokens=-5"),
     (["--budgets", "tokens=100,100"], "repeated"),
+    (["--budgets", "tokens=100,nan"], "tokens=nan must be a finite positive number"),
+    (["--budgets", "seconds=inf"], "seconds=inf must be a finite positive number"),
+    (["--strategies", "react,beam:width=abc,k=2"], "strategy 'beam': width must be an int, got 'abc'"),
     (["--policy", "gpt9"], "unknown policy 'gpt9'"),
     (["--limit", "0"], "--limit"),
     (["--reward-model", "magic"], "unknown reward model"),

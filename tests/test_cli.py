@@ -5,8 +5,9 @@ import json
 
 import pytest
 
-from omrl_search.api import SUMMARY_FIELDS
+from omrl_search.api import SUMMARY_FIELDS, load_tasks
 from omrl_search.cli import main
+from omrl_search.stats import fmt_paired, fmt_rate, mcnemar, wilson
 
 
 def test_search_writes_results_and_summary(tmp_path, capsys):
@@ -17,13 +18,26 @@ def test_search_writes_results_and_summary(tmp_path, capsys):
                "--seed", "0", "--out", str(out), "--no-progress"])
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary) == {"react", "best_of_n"}
-    for row in summary.values():
+    assert list(summary) == ["react", "best_of_n"]
+    lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(lines) == 12 and lines[0]["tree"]["nodes"]
+    solved = {name: {r["task"]["task_id"]: r["success"] for r in lines if r["strategy"].split(":")[0] == name}
+              for name in summary}
+    for name, row in summary.items():
         assert set(SUMMARY_FIELDS) <= set(row) and row["tasks"] == 6
-    lines = (out / "results.jsonl").read_text().splitlines()
-    assert len(lines) == 12 and json.loads(lines[0])["tree"]["nodes"]
+        assert row["successes"] == sum(solved[name].values())
+        assert (row["ci_low"], row["ci_high"]) == pytest.approx(wilson(row["successes"], 6), abs=1e-4)
+        assert row["ci_low"] <= row["success_rate"] <= row["ci_high"]
+    # the second strategy against the first on the same tasks: exact McNemar
+    assert "paired" not in summary["react"]
+    assert summary["best_of_n"]["paired"] == {"vs": "react", **mcnemar(solved["react"], solved["best_of_n"])}
+    # results.jsonl in task order per strategy (they are appended as tasks finish)
+    ids = [t.task_id for t in load_tasks("game24", "test", 6)]
+    assert [r["task"]["task_id"] for r in lines] == ids + ids
     table = capsys.readouterr().out
-    assert "best_of_n" in table and "success_rate" in table
+    assert "success [95% CI]" in table and "vs react (McNemar)" in table
+    assert fmt_rate(summary["best_of_n"]) in table and fmt_paired(summary["best_of_n"]["paired"]) in table
+    assert not [p for p in tmp_path.iterdir() if p.name != "run"]  # no temporary sibling left
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -35,6 +49,13 @@ def test_search_writes_results_and_summary(tmp_path, capsys):
     (["--env", "game24", "--budget", "tokens=-5"], "tokens=-5"),
     (["--env", "game24", "--budget", "joules=5"], "unknown budget kind 'joules'"),
     (["--env", "game24", "--limit", "0"], "--limit"),
+    (["--env", "game24", "--strategy", "beam:width=abc"], "strategy 'beam': width must be an int, got 'abc'"),
+    (["--env", "game24", "--strategy", "mcts:c_puct=fast"], "c_puct must be a finite number, got 'fast'"),
+    (["--env", "game24", "--strategy", "mcts:reflect=2"], "reflect must be a bool (true/false), got '2'"),
+    (["--env", "game24", "--budget", "tokens=nan"], "tokens=nan must be a finite positive number"),
+    (["--env", "game24", "--budget", "tokens=inf"], "tokens=inf must be a finite positive number"),
+    (["--env", "game24", "--budget", "seconds=1e999"], "seconds=inf must be a finite"),
+    (["--env", "game24", "--policy", "hf:/nonexistent/model"], "/nonexistent/model"),
 ])
 def test_bad_arguments_one_line_no_output(tmp_path, capsys, args, needle):
     out = tmp_path / "run"
