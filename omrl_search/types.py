@@ -1,4 +1,4 @@
-"""The plain records every part of omrl-search passes around (DESIGN §3).
+"""The plain records every part of omrl-search passes around (docs/design.md §3).
 
 They are slotted dataclasses so the search's hot path stays cheap; validation happens at the
 boundaries (files, CLI, HTTP) through pydantic ``TypeAdapter``s over these same classes
@@ -7,7 +7,10 @@ boundaries (files, CLI, HTTP) through pydantic ``TypeAdapter``s over these same 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .constrain import Grammar
 
 
 @dataclass(slots=True)
@@ -51,6 +54,9 @@ class StepResult:
                  truncated: bool = False, info: dict[str, Any] | None = None, *,
                  success: bool | None = None, valid: bool | None = None,
                  done: bool | None = None):
+        if isinstance(truncated, dict) and info is None:
+            # the one-flag signature ``StepResult(obs, reward, done, info)`` of older envs
+            info, truncated = truncated, False
         info = {} if info is None else info
         self.observation, self.reward = observation, reward
         self.terminated = bool(terminated or done)
@@ -130,17 +136,27 @@ class SamplingParams:
 @dataclass(slots=True)
 class GenRequest:
     """A prompt for the policy: token ids when the engine has the policy's tokenizer, chat
-    messages always. ``meta`` carries what scripted policies need (task, env snapshot)."""
+    messages always. ``meta`` carries what scripted policies need (task, env snapshot).
+    ``grammar``: generate under this :class:`~omrl_search.constrain.Grammar` (structured
+    decoding, see docs/design.md §4); None: unconstrained."""
 
     messages: list[dict[str, str]]
     params: SamplingParams
     prompt_ids: list[int] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    grammar: Grammar | None = None
 
 
 @dataclass(slots=True)
 class Generation:
-    """One sampled completion with its exact token ids, their logprobs and its usage."""
+    """One sampled completion with its exact token ids, their logprobs and its usage.
+
+    Under a grammar, ``logprobs`` are those of the masked, renormalised distribution the
+    tokens were sampled from. ``constraint``: the grammar's kind ("format", "actions") when it
+    was in force, "none" otherwise (no grammar asked, or the text violates it: a server that
+    ignored it). ``constraint_check``: the text checked against the requested grammar on the
+    client, "" (no grammar), "ok", "partial" (a prefix of the language, cut short) or
+    "violated"."""
 
     text: str
     token_ids: list[int]
@@ -149,3 +165,10 @@ class Generation:
     completion_tokens: int
     finish_reason: str = "stop"  # "stop" (EOS or stop string) or "length"
     ended_with_eos: bool = False
+    constraint: str = "none"
+    constraint_check: str = ""
+
+    @property
+    def constrained(self) -> bool:
+        """Generated under a grammar that its text satisfies (or would, had it not been cut)."""
+        return self.constraint != "none"

@@ -286,3 +286,11 @@ def test_legacy_info_keys_and_done_are_read_as_the_typed_fields(wrap):
     won = env.step("win")
     assert (won.valid, won.success, won.terminated, won.truncated, won.done) == (True, True, True, False, True)
     assert won.info["answer"] == "won"
+
+
+def test_legacy_positional_one_flag_signature():
+    """``StepResult(obs, reward, done, info)`` (the one-flag order) keeps its info and flags."""
+    res = StepResult("Invalid action.", 0.0, False, {"valid": False})
+    assert (res.valid, res.truncated, res.terminated, res.info) == (False, False, False, {"valid": False})
+    res = StepResult("Solved.", 1.0, True, {"success": True, "answer": "24"})
+    assert (res.success, res.terminated, res.done, res.info["answer"]) == (True, True, True, "24")
