@@ -6,8 +6,10 @@ trees from ``trees/*.jsonl`` when the bench ran with ``--save-trees``), ``omrl s
 folders (``results.jsonl``, ``summary.json``), training folders (``metrics.jsonl``, kind from
 ``omrl-train.json``) and loop rounds (folders named ``round_K`` with their ``report.md``). The
 page (default ``RUN_DIR/report.html``) holds the data as JSON and draws it with its own inline
-JS and SVG, so it opens offline. Trees are capped (tasks per strategy and budget, nodes per tree,
-characters per text field, total size) and the page says what was cut.
+JS and SVG, so it opens offline. Success rates show their Wilson 95% interval (error bars on the
+plots) and, where the run compared strategies, the McNemar p-value against the first. Trees are
+capped (tasks per strategy and budget, nodes per tree, characters per text field, total size) and
+the page says what was cut. ``--out`` is checked before RUN_DIR is read.
 """
 from __future__ import annotations
 
@@ -52,17 +54,14 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.max_mb <= 0:
         raise UsageError(f"--max-mb must be > 0, got {args.max_mb}")
-    out = Path(args.out) if args.out else root / "report.html"
-    if out.is_dir():
-        raise UsageError(f"--out {out} is a directory")
+    from .outdir import check_writable_file, write_file_atomic
+
+    out = check_writable_file(Path(args.out) if args.out else root / "report.html")  # before the work
     caps = Caps(args.max_tasks, args.max_nodes, args.max_text, int(args.max_mb * 2**20))
     data = collect(root, caps)
     if not (data["evals"] or data["training"] or data["rounds"]):
         raise UsageError(f"found no bench, search, training or loop results under {root}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    from .result import write_text_atomic
-
-    write_text_atomic(out, render(data))
+    write_file_atomic(out, render(data))
     trees = sum(len(g["results"]) for e in data["evals"] for g in e["trees"])
     counts = [(len(data["evals"]), "result set"), (trees, "tree"), (len(data["training"]), "training run"),
               (len(data["rounds"]), "round")]
@@ -237,13 +236,18 @@ def _strategy_names(specs: list[str]) -> dict[str, str]:
 
 
 def _row(name: str, label: str, s: dict[str, Any]) -> dict[str, Any]:
-    """One summary row with the mean compute spent per task (as the bench plots it)."""
+    """One summary row with the mean compute spent per task (as the bench plots it), the success
+    rate's 95% interval (computed here for summaries written before they carried it) and the
+    paired test against the first strategy when the summary has one."""
     from .bench import per_task
+    from .stats import rate
 
     kind, _, value = label.partition("=")
+    ci = {k: s[k] for k in ("ci_low", "ci_high") if k in s} or rate(int(s["successes"]), int(s["tasks"]))
     row = {"strategy": name, "spec": s.get("strategy", name), "budget": label, "budget_kind": kind,
            "budget_value": float(value) if value else None, "tasks": s["tasks"],
-           "successes": s["successes"], "success_rate": s["success_rate"], "faults": s.get("faults", 0),
+           "successes": s["successes"], "success_rate": s["success_rate"], "ci_low": ci["ci_low"],
+           "ci_high": ci["ci_high"], "paired": s.get("paired"), "faults": s.get("faults", 0),
            "verifier_in_loop": bool(s.get("verifier_in_loop", False))}
     row.update({k: round(per_task(s, k), 4) for k in PER_TASK})
     return row

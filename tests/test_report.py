@@ -62,6 +62,8 @@ def test_bench_folder_rows_and_trees(runs):
         ("react", "tokens=2000"), ("react", "tokens=8000"), ("mcts", "tokens=2000"), ("mcts", "tokens=8000")]
     for row in ev["rows"]:
         s = summary[row["strategy"]][row["budget"]]
+        assert (row["ci_low"], row["ci_high"]) == (s["ci_low"], s["ci_high"])  # the interval, as written
+        assert row["paired"] == s.get("paired") and (row["paired"] is None) == (row["strategy"] == "react")
         assert row["tokens"] == pytest.approx((s["prompt_tokens"] + s["completion_tokens"]) / 3, abs=1e-3)
         assert row["env_steps"] == pytest.approx(s["env_steps"] / 3, abs=1e-3)
         assert row["budget_value"] == float(row["budget"].split("=")[1])
@@ -98,6 +100,20 @@ def test_loop_folder_rounds_training_and_search(runs):
     assert search["rows"][0]["spec"].startswith("got:")
     got = next(g for g in search["trees"] if g["strategy"] == "got")
     assert all(r["merges"] for r in got["results"])  # Graph-of-Thoughts aggregation makes a DAG
+
+
+def test_summaries_without_intervals_get_them(tmp_path):
+    """A summary written before rows carried intervals (or by another tool) still shows one."""
+    from omrl_search.stats import wilson
+
+    bench = tmp_path / "old"
+    bench.mkdir()
+    row = {"tasks": 20, "successes": 7, "success_rate": 0.35, "prompt_tokens": 100, "completion_tokens": 20,
+           "lm_calls": 4, "rm_calls": 0, "env_steps": 4, "seconds": 1.0, "faults": 0, "verifier_in_loop": False}
+    (bench / "summary.json").write_text(json.dumps({"config": {"env": "game24", "tasks": 20},
+                                                    "strategies": {"react": {"tokens=100": row}}}))
+    (r,) = collect(bench)["evals"][0]["rows"]
+    assert (r["ci_low"], r["ci_high"]) == pytest.approx(wilson(7, 20), abs=1e-4) and r["paired"] is None
 
 
 def test_caps_cut_tasks_nodes_text_and_size(runs):
@@ -142,15 +158,29 @@ def test_page_is_self_contained_and_data_escaped(runs):
     ([""], "found no bench, search, training or loop results"),
     (["", "--max-tasks", "0"], "--max-tasks must be >= 1"),
     (["", "--max-mb", "-1"], "--max-mb must be > 0"),
+    (["", "--out", "dir"], "is a directory"),
+    (["", "--out", "file/report.html"], "is not writable"),
 ])
 def test_bad_arguments_one_line_nothing_written(tmp_path, capsys, argv, needle):
     empty = tmp_path / "empty"
     (empty / "sub").mkdir(parents=True)
-    argv = [str(tmp_path / a) if a == "nowhere" else (str(empty) if a == "" else a) for a in argv]
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_text("x")
+    argv = [str(tmp_path / a) if a in ("nowhere", "dir", "file/report.html") else (str(empty) if a == "" else a)
+            for a in argv]
     assert main(["report", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1
-    assert not list(tmp_path.rglob("*.html"))
+    assert not list(tmp_path.rglob("*.html")) and not list(tmp_path.rglob("*.tmp"))
+
+
+def test_out_is_checked_before_the_run_folder_is_read(runs, tmp_path, capsys, monkeypatch):
+    import omrl_search.report as report
+
+    monkeypatch.setattr(report, "collect", lambda *a, **k: pytest.fail("read the folder before checking --out"))
+    (tmp_path / "file").write_text("x")
+    assert main(["report", str(runs), "--out", str(tmp_path / "file" / "r.html")]) == 2
+    assert "is not writable" in capsys.readouterr().err
 
 
 # --- the page in a browser -----------------------------------------------------------------------
@@ -232,6 +262,17 @@ def test_page_draws_plots_tree_and_node_details(runs, tmp_path):
     lines = sum(len({r["strategy"] for r in e["rows"]}) for e in data["evals"])
     assert sum(t == "svg" for t, _ in scaling.tags) == 3
     assert sum("series" in a.get("class", "") for t, a in scaling.tags if t == "path") == 3 * lines
+    points = sum(len(e["rows"]) for e in data["evals"])  # each point with its 95% interval
+    assert sum("errbar" in a.get("class", "") for t, a in scaling.tags if t == "path") == 3 * points
+    results = _element(dom, "results")
+    text = "".join(results.text)
+    bench_rows = data["evals"][0]["rows"]
+    mcts = next(r for r in bench_rows if r["strategy"] == "mcts" and r["budget"] == "tokens=8000")
+    assert "success [95% CI]" in text and "vs react (McNemar)" in text
+    assert f"[{mcts['ci_low']:.2f}, {mcts['ci_high']:.2f}]" in text
+    assert f"({mcts['paired']['b_only']} vs {mcts['paired']['a_only']})" in text and "p=" in text
+    assert sum("ci" in a.get("class", "").split() for t, a in results.tags if t == "span") == \
+        sum(len(e["rows"]) for e in data["evals"])
     training = _element(dom, "training")
     assert sum("series" in a.get("class", "") for t, a in training.tags if t == "path") == 2
     rounds = "".join(_element(dom, "rounds").text)

@@ -72,8 +72,9 @@ function logTicks(lo, hi) {
 }
 const tick = (v) => (Math.abs(v) >= 1e4 ? fmt(v) : String(+v.toPrecision(6)));
 
-/** A figure with an SVG line chart; series = [{name, colour, dashed, markers, points: [{x, y, label}]}].
-    x is on a log scale when ``logx`` and the points span a factor of 8 or more; ``xint``: whole-number ticks. */
+/** A figure with an SVG line chart; series = [{name, colour, dashed, markers, points: [{x, y, label, lo, hi}]}].
+    x is on a log scale when ``logx`` and the points span a factor of 8 or more; ``xint``: whole-number ticks;
+    a point with ``lo``/``hi`` gets an error bar (a success rate's 95% interval). */
 function lineChart({ title, xlabel, ylabel, series, ymin, ymax, logx = true, xint = false, width = 460, height = 270 }) {
   const fig = h("figure", { class: "chart" }, h("figcaption", {}, title));
   const pts = series.flatMap((sr) => sr.points);
@@ -110,7 +111,12 @@ function lineChart({ title, xlabel, ylabel, series, ymin, ymax, logx = true, xin
     svg.append(s("path", { class: "series" + (sr.dashed ? " dashed" : ""), stroke: sr.colour, "data-name": sr.name, d }));
     if (p.length > 60 || sr.markers === false) continue; // no markers on long curves
     for (const q of p) {
-      const tip = `${sr.name}${q.label ? " @ " + q.label : ""}: ${fmt(q.y, 3)} at ${fmt(q.x)}`;
+      const ci = q.lo != null && q.hi != null;
+      const tip = `${sr.name}${q.label ? " @ " + q.label : ""}: ${fmt(q.y, 3)}${ci ? ` [${fmt(q.lo, 2)}, ${fmt(q.hi, 2)}]` : ""} at ${fmt(q.x)}`;
+      if (ci) {
+        const x = X(q.x).toFixed(1), y0 = Y(q.lo).toFixed(1), y1 = Y(q.hi).toFixed(1);
+        svg.append(s("path", { class: "errbar", stroke: sr.colour, d: `M${x},${y0}V${y1}M${+x - 3},${y0}h6M${+x - 3},${y1}h6` }));
+      }
       svg.append(s("circle", { class: "pt", cx: X(q.x), cy: Y(q.y), r: 3.6, fill: sr.colour }, s("title", {}, tip)));
     }
   }

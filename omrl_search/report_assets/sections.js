@@ -47,37 +47,53 @@ function scalingSection() {
         series.push({ name: prefix + name + (verifier ? " *" : ""), dashed: verifier, colour, rows });
       }
     });
-    const point = (r, key) => ({ x: r[key], y: r.success_rate, label: r.budget });
+    const point = (r, key) => ({ x: r[key], y: r.success_rate, lo: r.ci_low, hi: r.ci_high, label: r.budget });
     refill(plots, [["tokens", "tokens spent"], ["env_steps", "env steps"], ["seconds", "wall seconds"]].map(([key, what]) =>
       lineChart({ title: `Success vs ${what}`, xlabel: `${what} per task`, ylabel: "success rate", ymin: 0, ymax: 1,
         height: 240, series: series.map((sr) => ({ ...sr, points: sr.rows.map((r) => point(r, key)) })) })));
   }
   const options = [["all", "all result sets"], ...DATA.evals.map((e, i) => [String(i), evalName(e)])];
   draw();
-  const sub = "one line per strategy, one point per budget; mean per task; * verifier in the loop (dashed)";
+  const sub = "one line per strategy, one point per budget; mean per task; bars: 95% interval; * verifier in the loop (dashed)";
   return card("scaling", "Success against compute", sub, many && pick("results", select(options, choice, (v) => {
     choice = v;
     draw();
   })), plots);
 }
 
-function rateCell(rate) {
-  const bar = h("span", { class: "bar", style: `width:${(rate * 100).toFixed(1)}%` });
-  return h("td", { class: "rate" }, h("span", { class: "track" }, bar), h("b", {}, rate.toFixed(2)));
+/** A success rate: a bar with its 95% interval drawn over it, the rate and the interval. */
+function rateCell(r) {
+  const pct = (v) => (v * 100).toFixed(1) + "%";
+  const bar = h("span", { class: "bar", style: `width:${pct(r.success_rate)}` });
+  const ci = r.ci_low != null && h("span", { class: "ci", style: `left:${pct(r.ci_low)};width:${pct(r.ci_high - r.ci_low)}` });
+  const title = `${r.successes}/${r.tasks} solved` + (ci ? `; Wilson 95% interval ${r.ci_low.toFixed(3)} to ${r.ci_high.toFixed(3)}` : "");
+  return h("td", { class: "rate", title }, h("span", { class: "track" }, bar, ci), h("b", {}, r.success_rate.toFixed(2)),
+    ci && h("span", { class: "interval" }, ` [${r.ci_low.toFixed(2)}, ${r.ci_high.toFixed(2)}]`));
+}
+
+/** The paired test against the first strategy: difference, tasks only each solved, exact McNemar p. */
+function pairedCell(r) {
+  const p = r.paired;
+  if (!p) return h("td", { class: "muted" }, "–");
+  const sign = p.diff > 0 ? "+" : "";
+  const title = `${p.b_only} of ${p.tasks} tasks solved only by ${r.strategy}, ${p.a_only} only by ${p.vs} (exact McNemar, two-sided)`;
+  return h("td", { class: "paired" + (p.p_value < 0.05 ? " sig" : ""), title },
+    `${sign}${p.diff.toFixed(2)} `, h("span", { class: "muted" }, `(${p.b_only} vs ${p.a_only}) `),
+    `p=${+p.p_value.toPrecision(2)}`);
 }
 
 /** One table per result set: every strategy at every budget, with the compute spent per task. */
 function resultsSection() {
-  const head = ["strategy", "budget", "success", "solved", "tokens", "LM calls", "RM calls", "env steps", "seconds",
-    "faults"];
   const sets = DATA.evals.map((e, i) => {
-    const c = e.config, rows = [];
+    const c = e.config, rows = [], vs = (e.rows.find((r) => r.paired) || {}).paired;
+    const head = ["strategy", "budget", "success [95% CI]", "solved", vs && `vs ${vs.vs} (McNemar)`, "tokens", "LM calls",
+      "RM calls", "env steps", "seconds", "faults"].filter(Boolean);
     e.rows.forEach((r, j) => {
       const first = j === 0 || e.rows[j - 1].strategy !== r.strategy;
       const name = first && h("span", {}, h("span", { class: "swatch", style: `background:${colourOf(r.strategy)}` }),
         r.strategy + (r.verifier_in_loop ? " *" : ""));
       rows.push(h("tr", { class: first && j ? "first" : null }, h("td", { class: "l", title: r.spec }, name),
-        h("td", { class: "l" }, r.budget || "–"), rateCell(r.success_rate), h("td", {}, `${r.successes}/${r.tasks}`),
+        h("td", { class: "l" }, r.budget || "–"), rateCell(r), h("td", {}, `${r.successes}/${r.tasks}`), vs && pairedCell(r),
         [r.tokens, r.lm_calls, r.rm_calls, r.env_steps].map((v) => h("td", {}, fmt(v))), h("td", {}, fmt(r.seconds, 3)),
         h("td", {}, r.faults)));
     });
@@ -88,7 +104,9 @@ function resultsSection() {
       h("div", { class: "scroll-x" }, h("table", { class: "grid" },
         h("thead", {}, h("tr", {}, head.map((t, j) => h("th", { class: j < 2 ? "l" : null }, t)))), h("tbody", {}, rows))));
   });
-  return card("results", "Results per strategy and budget", "compute is the mean spent per task", null, sets);
+  return card("results", "Results per strategy and budget",
+    "95% Wilson intervals; paired: against the first strategy at the same budget on the same tasks (bold: p < 0.05); " +
+    "compute is the mean spent per task", null, sets);
 }
 
 /** Loops: each round's evaluation (strategy @ budget by round), its training's last loss, a plot of
@@ -107,7 +125,7 @@ function roundsSection() {
   const kinds = [...new Set(DATA.training.filter((t) => t.round != null).map((t) => t.kind))];
   const lastLoss = (t) => t && t.series.loss && t.series.loss[t.series.loss.length - 1];
   const evalRows = [...byKey].map(([k, per]) => h("tr", {}, h("td", { class: "l" }, k),
-    rounds.map((rd) => (per.has(rd) ? rateCell(per.get(rd).success_rate) : h("td", {}, "–")))));
+    rounds.map((rd) => (per.has(rd) ? rateCell(per.get(rd)) : h("td", {}, "–")))));
   const trainRows = kinds.map((kind, i) => h("tr", { class: i ? null : "first" },
     h("td", { class: "l" }, `${kind} training: last loss`), rounds.map((rd) => {
       const t = DATA.training.find((x) => x.round === rd && x.kind === kind), l = lastLoss(t);
@@ -128,7 +146,8 @@ function roundsSection() {
     title: "Success by round (each strategy at its largest budget)", xlabel: "round", ylabel: "success rate",
     ymin: 0, ymax: 1, logx: false, xint: true,
     series: [...largest].map(([name, k]) => ({ name: k, colour: colourOf(name),
-      points: [...byKey.get(k)].map(([rd, r]) => ({ x: rd, y: r.success_rate, label: `round ${rd}` })) })) }));
+      points: [...byKey.get(k)].map(([rd, r]) => ({ x: rd, y: r.success_rate, lo: r.ci_low, hi: r.ci_high,
+        label: `round ${rd}` })) })) }));
   const reports = DATA.rounds.filter((rd) => rd.report_md).map((rd) =>
     h("details", { class: "set" }, h("summary", {}, h("b", {}, `${rd.id}/report.md`)),
       h("pre", { class: "md" }, rd.report_md)));
