@@ -9,7 +9,7 @@ from .executors import Executor
 from .policy import Policy
 from .result import SearchResult
 from .reward import RewardModel
-from .specs import finite_limits, parse_kv
+from .specs import SpecError, finite_limits, parse_kv
 from .strategy import Strategy, make_strategy
 from .types import SamplingParams, Task
 
@@ -52,6 +52,8 @@ def search_many(tasks: Sequence[Task], *, strategy: "str | Strategy" = "react",
     ``policy_weights=(version, state_dict)`` (Ray only): the actors' ``hf:`` policy searches with
     these weights (pushed once per version; online GRPO sends its live weights every round).
     """
+    if concurrency is not None and concurrency < 1:
+        raise SpecError(f"concurrency must be >= 1 (or None for all tasks), got {concurrency}")
     where = Executor.parse(executor, ray_address)
     return where.search(tasks, strategy=make_strategy(strategy), policy=policy,
                         reward_model=reward_model, budget=parse_budget(budget), progress=progress,

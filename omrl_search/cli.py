@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 from .api import load_tasks, parse_budget, search_many, summarize
 from .env import EnvError, TaskFileError, env_class, env_server_factory, list_envs
@@ -48,13 +49,52 @@ USER_ERRORS = (UsageError, SpecError, PolicyError, TaskFileError, EnvError, Plug
                KeyError)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are :class:`UsageError` s, so :func:`main` prints them as one line
+    (``omrl: error: argument --limit: ... (see omrl search --help)``) and exits with status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer >= ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
+        return value
+
+    return parse
+
+
+def finite_at_least(low: float) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number >= ``low``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < low:
+            raise argparse.ArgumentTypeError(f"must be a finite number >= {low:g}, got {text!r}")
+        return value
+
+    return parse
+
+
 # --- options shared by commands (defined once) --------------------------------------------------
 def add_task_args(p: argparse.ArgumentParser) -> None:
     """``--env``, ``--split``, ``--file``, ``--limit``: which tasks (read by :func:`tasks_from_args`)."""
     p.add_argument("--env", required=True, help="environment name (`omrl envs` lists them)")
     p.add_argument("--split", default="test", help="task split (train|test)")
     p.add_argument("--file", help="a JSONL file of tasks instead of the built-in split")
-    p.add_argument("--limit", type=int, default=None, help="first N tasks (default: the whole split)")
+    p.add_argument("--limit", type=int_at_least(1), default=None,
+                   help="first N tasks (default: the whole split)")
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
@@ -65,11 +105,11 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
                         "scripted:oracle:p=P | scripted:random (`omrl policies` lists them)")
     p.add_argument("--reward-model", default=None, help="e.g. rules:format=0.2,outcome=1")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-depth", type=int, default=None, help="steps per episode (default: env's)")
-    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+    p.add_argument("--max-depth", type=int_at_least(1), default=None, help="steps per episode (default: env's)")
+    p.add_argument("--max-tokens", type=int_at_least(1), default=DEFAULT_MAX_TOKENS,
                    help=f"completion tokens per step (default {DEFAULT_MAX_TOKENS})")
-    p.add_argument("--temperature", type=float, default=1.0, help="default sampling temperature")
-    p.add_argument("--concurrency", type=int, default=None, help="trees searched in lockstep")
+    p.add_argument("--temperature", type=finite_at_least(0), default=1.0, help="default sampling temperature")
+    p.add_argument("--concurrency", type=int_at_least(1), default=None, help="trees searched in lockstep")
     add_executor_args(p)
     p.add_argument("--no-progress", action="store_true")
 
@@ -194,7 +234,7 @@ def _parser(command: str | None) -> argparse.ArgumentParser:
     """The parser with only ``command``'s sub-parser when it names one (its plugin alone is
     imported), else with every command (``omrl --help``, a typo): a plugin that fails to load
     is then left out with one warning line, the others stay."""
-    p = argparse.ArgumentParser(prog="omrl", description="Search-based rollouts for LLM agents.")
+    p = Parser(prog="omrl", description="Search-based rollouts for LLM agents.")
     sub = p.add_subparsers(dest="command", required=True)
     builtin = ["search", *LISTINGS]
     every = command not in builtin and command not in COMMANDS.names()

@@ -56,6 +56,12 @@ def test_search_writes_results_and_summary(tmp_path, capsys):
     (["--env", "game24", "--budget", "tokens=inf"], "tokens=inf must be a finite positive number"),
     (["--env", "game24", "--budget", "seconds=1e999"], "seconds=inf must be a finite"),
     (["--env", "game24", "--policy", "hf:/nonexistent/model"], "/nonexistent/model"),
+    (["--env", "game24", "--concurrency", "-3"], "--concurrency: must be an integer >= 1, got '-3'"),
+    (["--env", "game24", "--max-tokens", "0"], "--max-tokens: must be an integer >= 1"),
+    (["--env", "game24", "--max-depth", "0"], "--max-depth: must be an integer >= 1"),
+    (["--env", "game24", "--temperature", "nan"], "--temperature: must be a finite number >= 0"),
+    (["--env", "game24", "--limit", "many"], "--limit: must be an integer >= 1, got 'many'"),
+    (["--env", "game24", "--bogus"], "unrecognized arguments: --bogus"),
 ])
 def test_bad_arguments_one_line_no_output(tmp_path, capsys, args, needle):
     out = tmp_path / "run"
@@ -63,7 +69,19 @@ def test_bad_arguments_one_line_no_output(tmp_path, capsys, args, needle):
     err = capsys.readouterr().err.strip()
     assert rc == 2
     assert len(err.splitlines()) == 1 and needle in err
-    assert not out.exists()
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_python_api_refuses_what_the_cli_refuses():
+    import omrl_search as om
+    from omrl_search.specs import SpecError
+
+    tasks = load_tasks("game24", "test", 2)
+    for kwargs, needle in [({"budget": "tokens=nan"}, "tokens=nan"), ({"budget": {"tokens": float("inf")}}, "tokens=inf"),
+                           ({"strategy": "beam:width=abc"}, "width must be an int"),
+                           ({"concurrency": -3}, "concurrency must be >= 1")]:
+        with pytest.raises(SpecError, match=needle):
+            om.search_many(tasks, policy="scripted:oracle", **kwargs)
 
 
 def test_bad_task_file_reports_file_and_line(tmp_path, capsys):
@@ -83,10 +101,9 @@ def test_commands_share_their_options_and_unknown_ones_list_every_command(capsys
             main([command, "--help"])
         text = capsys.readouterr().out
         assert f"default {DEFAULT_MAX_TOKENS}" in text and "--ray-address" in text and "--env" in text
-    with pytest.raises(SystemExit) as exc:
-        main(["serch", "--env", "game24"])
+    assert main(["serch", "--env", "game24"]) == 2
     err = capsys.readouterr().err
-    assert exc.value.code == 2 and "invalid choice: 'serch'" in err
+    assert len(err.strip().splitlines()) == 1 and "invalid choice: 'serch'" in err
     assert all(name in err for name in ("search", "bench", "train", "loop", "envs"))
 
 
