@@ -6,8 +6,13 @@ built in; every other sub-command is an ``omrl_search.commands`` plugin: a modul
 command being run is imported (``omrl --help`` imports them all, for their help lines), so
 ``omrl search`` loads no trainer and no torch unless its policy needs it.
 
-Every argument is validated (env, tasks, strategies, policy, budget) before anything is written;
-a bad one prints one line naming it and exits with status 2. The options several commands share
+Every argument is validated (env, tasks, strategies, budget, ``--out``: created and writable)
+before any model loads or search runs; a bad one, argparse's own errors included, prints one line
+naming it and exits with status 2. ``--out`` is written as a whole (:mod:`omrl_search.outdir`):
+results are appended task by task to a hidden sibling that replaces DIR at the end; a run that
+raises keeps its finished tasks in ``DIR.partial`` and says so. Every success rate printed or
+written carries its Wilson 95% interval, and several strategies are each tested against the
+first on the same tasks (exact McNemar; docs/design.md §8). The options several commands share
 are defined once here: :func:`add_task_args`, :func:`add_run_args`, :func:`add_executor_args`.
 """
 from __future__ import annotations

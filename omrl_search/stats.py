@@ -40,7 +40,8 @@ def mcnemar(a: Mapping[str, bool], b: Mapping[str, bool]) -> dict[str, float | i
 
     Returns the number of shared tasks, the discordant counts (``b_only``: solved by ``b``
     alone; ``a_only``: by ``a`` alone), the difference in success rate ``b - a`` on the shared
-    tasks and the two-sided p-value (1.0 when no task is discordant)."""
+    tasks and the two-sided p-value to 4 significant digits (1.0 when no task is discordant;
+    never rounded to 0, which would read as certainty)."""
     shared = sorted(set(a) & set(b))
     if not shared:
         raise ValueError("the two runs share no task: a paired test needs the same tasks")
@@ -49,7 +50,7 @@ def mcnemar(a: Mapping[str, bool], b: Mapping[str, bool]) -> dict[str, float | i
     discordant = a_only + b_only
     p = binomtest(b_only, discordant, 0.5).pvalue if discordant else 1.0
     return {"tasks": len(shared), "b_only": b_only, "a_only": a_only,
-            "diff": round((b_only - a_only) / len(shared), 4), "p_value": round(float(p), 6)}
+            "diff": round((b_only - a_only) / len(shared), 4), "p_value": float(f"{p:.4g}")}
 
 
 def outcomes(results: Iterable) -> dict[str, bool]:

@@ -1,7 +1,7 @@
 """Success-rate intervals and paired tests (omrl_search.stats) against known values."""
 import pytest
 
-from omrl_search.stats import fmt_rate, mcnemar, outcomes, rate, wilson
+from omrl_search.stats import fmt_paired, fmt_rate, mcnemar, outcomes, paired, rate, wilson
 
 
 def test_wilson_matches_the_closed_form():
@@ -40,6 +40,14 @@ def test_mcnemar_exact_binomial_on_discordant_tasks():
     assert res["p_value"] == pytest.approx(0.004077, abs=1e-5)
 
 
+def test_mcnemar_tiny_p_values_are_not_rounded_to_zero():
+    a = {f"t{i}": False for i in range(300)}
+    b = {f"t{i}": i < 150 for i in range(300)}   # 150 discordant, all one way: p = 2 * 0.5**150
+    res = mcnemar(a, b)
+    assert res["p_value"] == pytest.approx(2 * 0.5 ** 150, rel=1e-3) and res["p_value"] > 0
+    assert fmt_paired({"vs": "react", **res}) == "+0.50 (150 vs 0) p=1.4e-45"
+
+
 def test_mcnemar_identical_runs_and_disjoint_tasks():
     a = {"x": True, "y": False}
     assert mcnemar(a, dict(a))["p_value"] == 1.0
@@ -50,3 +58,13 @@ def test_mcnemar_identical_runs_and_disjoint_tasks():
 def test_outcomes_from_result_dicts():
     rows = [{"task": {"task_id": "a"}, "success": True}, {"task": {"task_id": "b"}, "success": False}]
     assert outcomes(rows) == {"a": True, "b": False}
+    lines = [{"task_id": "a", "success": 1}, {"task_id": "c", "success": 0}]  # a bench's outcomes.jsonl
+    assert outcomes(lines) == {"a": True, "c": False}
+
+
+def test_paired_block_names_the_baseline():
+    a, b = {"x": True, "y": False, "z": False}, {"x": True, "y": True, "z": True}
+    block = paired("react", a, b)
+    assert block == {"vs": "react", "tasks": 3, "b_only": 2, "a_only": 0, "diff": pytest.approx(0.6667),
+                     "p_value": 0.5}
+    assert fmt_paired(block) == "+0.67 (2 vs 0) p=0.5"
