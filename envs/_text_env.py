@@ -12,12 +12,24 @@ attributes of the env). From such a value:
 * :func:`episode_over` is what stepping a finished episode returns: an invalid action that
   changes nothing.
 
-:class:`TextEnv` is the base those envs share (``_require``, the invalid-action message), and
-:func:`take_split` how their ``tasks(split, limit)`` check and slice a split.
+:class:`TextEnv` is the base those envs share (``_require``, the invalid-action message, and the
+two optional hooks below), and :func:`take_split` how their ``tasks(split, limit)`` check and
+slice a split.
+
+Two optional methods serve the agent format and the demonstrations (docs/design.md §4):
+
+* ``action_grammar()``: grammar rules defining ``action`` for the *current* state, in
+  :mod:`omrl_search.constrain`'s GBNF / xgrammar-EBNF common subset, when the env's action
+  language is wider than ``valid_actions()`` lists (Game24's ``answer EXPR``, SQL, shell);
+  None when ``valid_actions()`` is the whole language or no syntax is known;
+* ``explain(action, rng)``: one line of reasoning the action follows from in the current state
+  (before stepping it), worded by one of a few templates the caller's ``rng`` picks; what the
+  scripted oracle writes as its ``Think:`` line. None when the env has nothing true to say.
 """
 from __future__ import annotations
 
 import dataclasses
+import random
 from typing import Any, Callable, Sequence, TypeVar
 
 from omrl_search.env import Env, EnvError
@@ -90,7 +102,28 @@ class TextEnv(Env):
         """The message of a malformed or inadmissible action: what was wrong and the syntax."""
         return f"Invalid action: {why}. {self.action_help}"
 
+    def action_grammar(self) -> str | None:
+        """Rules defining ``action`` in the current state (see the module docstring); None here."""
+        return None
+
+    def explain(self, action: str, rng: random.Random | None = None) -> str | None:
+        """Why ``action`` in the current state, one line (see the module docstring); None here."""
+        return None
+
     def _require(self) -> Any:
         if self.state is None:
             raise EnvError("reset() must be called first")
         return self.state
+
+
+def say(rng: random.Random | None, templates: Sequence[str], **fields: Any) -> str:
+    """One of ``templates`` (chosen by ``rng``; the first without one) filled with ``fields``,
+    as one line."""
+    text = templates[rng.randrange(len(templates))] if rng is not None else templates[0]
+    return " ".join(text.format(**fields).split())
+
+
+def listing(items: Sequence[Any]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    words = [str(x) for x in items]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]

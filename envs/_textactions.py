@@ -17,6 +17,7 @@ import re
 import threading
 from typing import Any, Callable, ClassVar, NamedTuple
 
+from omrl_search.constrain import literal
 from omrl_search.env import stable_hash
 from omrl_search.types import StepResult, Task
 
@@ -121,6 +122,19 @@ class ActionEnv(TextEnv):
         self.state = s._replace(steps=steps, done=done, truncated=truncated, success=success,
                                 answer=answer, note=note, **(out.changes or {}))
         return step_result(self.state, self.observe(), 1.0 if success else 0.0, valid=out.valid)
+
+    def verbs_now(self) -> dict[str, str]:
+        """The verbs that can apply in the current state (default: all of ``verbs``)."""
+        return self.verbs
+
+    def action_grammar(self) -> str | None:
+        """The ``verb: arguments`` format (arguments: one line not starting with a space) over
+        :meth:`verbs_now`; None once the episode is over."""
+        if self._require().done:
+            return None
+        alts = [f"{literal(v + ': ')} arg" if ":" in usage else literal(v)
+                for v, usage in self.verbs_now().items()]
+        return f"action ::= {' | '.join(alts)}\narg ::= [^ \\n] [^\\n]*"
 
     def observe(self) -> str:
         s = self._require()

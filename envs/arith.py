@@ -227,6 +227,33 @@ def eval_expression(text: str) -> tuple[Fraction, list[int]]:
     return Fraction(value), used
 
 
+def read_action(action: str, numbers: tuple[Fraction, ...]) -> tuple:
+    """What ``action`` asks in a state with ``numbers`` left: ``("answer", expression)``,
+    ``("combine", a, op, b, value, numbers after)`` or ``("invalid", why)``."""
+    text = action.strip().strip("`'\"").strip().rstrip(".!").strip()
+    m = _ANSWER_RE.match(text)
+    if m:
+        return "answer", m.group(1)
+    m = _STEP_RE.match(text)
+    if not m:
+        return "invalid", "empty action" if not text else f"cannot parse {text[:60]!r}"
+    try:
+        a, op, b = _number(m.group(1)), _OPS[m.group(2).lower()], _number(m.group(3))
+    except ZeroDivisionError:
+        return "invalid", "a number has a zero denominator"
+    rest = list(numbers)
+    for x in (a, b):
+        try:
+            rest.remove(x)
+        except ValueError:
+            return "invalid", f"{fmt(x)} is not among the numbers left"
+    value = apply_op(a, op, b)
+    if value is None:
+        return "invalid", "division by zero"
+    rest.append(_frac(value))
+    return "combine", a, op, b, value, tuple(sorted(rest))
+
+
 # --- the env ---------------------------------------------------------------------------------
 class ArithmeticEnv(ValueSnapshots, TextEnv):
     """Reach ``target`` from the task's numbers, combining two numbers per step.
@@ -282,30 +309,13 @@ class ArithmeticEnv(ValueSnapshots, TextEnv):
         s = self._require()
         if s.done:
             return episode_over(s)
-        text = action.strip().strip("`'\"").strip().rstrip(".!").strip()
-        m = _ANSWER_RE.match(text)
-        if m:
-            return self._answer(m.group(1))
-        m = _STEP_RE.match(text)
-        if not m:
-            why = "empty action" if not text else f"cannot parse {text[:60]!r}"
-            return self._invalid(why)
-        try:
-            a, op, b = _number(m.group(1)), _OPS[m.group(2).lower()], _number(m.group(3))
-        except ZeroDivisionError:
-            return self._invalid("a number has a zero denominator")
-        rest = list(s.numbers)
-        for x in (a, b):
-            try:
-                rest.remove(x)
-            except ValueError:
-                return self._invalid(f"{fmt(x)} is not among the numbers left")
-        value = apply_op(a, op, b)
-        if value is None:
-            return self._invalid("division by zero")
-        rest.append(_frac(value))
-        note = f"{fmt(a)} {op} {fmt(b)} = {fmt(value)}"
-        return self._advance(numbers=tuple(sorted(rest)), note=note)
+        move = read_action(action, s.numbers)
+        if move[0] == "answer":
+            return self._answer(move[1])
+        if move[0] == "invalid":
+            return self._invalid(move[1])
+        _, a, op, b, value, rest = move
+        return self._advance(numbers=rest, note=f"{fmt(a)} {op} {fmt(b)} = {fmt(value)}")
 
     def valid_actions(self) -> list[str]:
         s = self._require()
@@ -324,6 +334,24 @@ class ArithmeticEnv(ValueSnapshots, TextEnv):
             return None
         move = first_move(solve(s.numbers, s.target))
         return None if move is None else f"{fmt(move[0])} {move[1]} {fmt(move[2])}"
+
+    def action_grammar(self) -> str | None:
+        """``a op b`` over two numbers left, or ``answer EXPR`` (see :mod:`envs._arith_lang`)."""
+        s = self._require()
+        if s.done:
+            return None
+        from ._arith_lang import grammar  # the module reads this one's arithmetic
+
+        return grammar(s.numbers, s.original)
+
+    def explain(self, action: str, rng=None) -> str | None:
+        """What ``action`` computes, what is left, and the rest of a way to the target."""
+        s = self._require()
+        if s.done:
+            return None
+        from ._arith_lang import explain
+
+        return explain(s.numbers, s.target, action, rng)
 
     # --- helpers ---------------------------------------------------------------------------
     def _advance(self, *, numbers=None, note: str, valid: bool = True, answer: str | None = None,

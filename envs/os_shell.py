@@ -133,6 +133,13 @@ class OsEnv(NativeSnapshots, TextEnv):
                    else "The files are as required: solved!")
         return not problems, answer, f"{verdict} The episode is over."
 
+    def action_grammar(self) -> str | None:
+        """One line: ``bash: COMMAND`` or ``answer: TEXT`` (the fenced multi-line form the env
+        also reads is left out)."""
+        if self._require().done:
+            return None
+        return 'action ::= "bash: " line | "answer: " line\nline ::= [^ \\n] [^\\n]*'
+
     def state_key(self) -> str:
         s = self._require()
         return stable_hash((s.task.task_id, s.digest, s.steps, s.done, s.truncated, s.success,

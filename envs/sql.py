@@ -299,6 +299,11 @@ class SqlEnv(NativeSnapshots, ActionEnv):
         s = self.state
         return tuple(s.db[s.spec.tables.index(t)] for t in s.spec.affected)
 
+    def verbs_now(self) -> dict[str, str]:
+        """A question is answered, a change committed: the other verb only gets refused."""
+        skip = "commit" if self._require().spec.kind == "read" else "answer"
+        return {v: usage for v, usage in self.verbs.items() if v != skip}
+
     # --- expert and exploration ---------------------------------------------------------
     def expert_action(self) -> str | None:
         """Reads: run the reference query, then answer with its result (straight away when the

@@ -282,6 +282,15 @@ class WebShopEnv(ValueSnapshots, TextEnv):
         self.state = s._replace(steps=steps, note=note.strip(), **changes)
         return step_result(self.state, self.observe(), self.state.reward, valid=valid)
 
+    def action_grammar(self) -> str | None:
+        """On the search page any ``search[QUERY]`` (a query starting with a letter or digit;
+        one made only of stopwords is still refused); elsewhere None: ``valid_actions()``, the
+        page's clickables, is the whole language there."""
+        s = self._require()
+        if s.done or s.page != "search":
+            return None
+        return 'action ::= "search[" [a-zA-Z0-9] [^\\]\\n]* "]"'
+
     def valid_actions(self) -> list[str]:
         """The clickable things of the page; on the search page, two searches from the instruction."""
         s = self._require()

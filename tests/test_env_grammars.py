@@ -1,0 +1,144 @@
+"""What the agent format constrains a step to, env by env (docs/design.md §4).
+
+At every non-terminal state reached by the expert and by seeded random valid play, on a few
+test tasks of every registered env: ``valid_actions()`` (when the env lists them) is non-empty
+and every listed action steps as valid; ``action_grammar()`` (when the env gives one) compiles
+and accepts every listed action; and the expert's action is in the language a constrained step
+is held to (the grammar when there is one, else the list), so constrained decoding can always
+reproduce the expert. For Game24 and Countdown the grammar's ``a op b`` sentences are exactly
+the env's valid combines.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from omrl_search.env import env_class, list_envs, make_env
+
+xgr = pytest.importorskip("xgrammar")
+
+from omrl_search.constrain import Grammar, check  # noqa: E402
+
+SLOW = {"sciworld"}  # a JVM per env, and no list or grammar to check (the frame alone)
+ENVS = [n for n in list_envs() if n not in SLOW]
+FRAME = "Think: x\nAct: "
+MAX_CHECKED = 12  # listed actions stepped per state (a seeded sample when there are more)
+
+
+def _accepts(rules: str, action: str, source: str = "env") -> bool:
+    return check(Grammar.from_rules(rules, source=source), FRAME + action) == "ok"
+
+
+def _tasks(name: str, n: int):
+    try:
+        return env_class(name).tasks("test", limit=n)
+    except NotImplementedError:
+        pytest.skip(f"env {name!r} has no built-in test tasks")
+
+
+def _check_state(env, name: str, rng: random.Random) -> None:
+    """The properties above at the env's current (non-terminal) state."""
+    listed, rules, expert = env.valid_actions(), env.action_grammar(), env.expert_action()
+    if listed is not None:
+        assert listed, f"{name}: valid_actions() is empty at a non-terminal state"
+        snap = env.snapshot()
+        sample = listed if len(listed) <= MAX_CHECKED else rng.sample(listed, MAX_CHECKED)
+        for action in sample:
+            result = env.step(action)
+            env.restore(snap)
+            assert result.valid, f"{name}: listed action {action!r} is refused: {result.observation[:200]}"
+    if rules is not None:
+        Grammar.from_rules(rules, source=name)
+        for action in listed or []:
+            assert _accepts(rules, action, name), f"{name}: grammar refuses listed {action!r}\n{rules}"
+    if expert is not None:
+        if rules is not None:
+            assert _accepts(rules, expert, name), f"{name}: grammar refuses the expert's {expert!r}\n{rules}"
+        elif listed is not None:
+            assert expert in listed, f"{name}: the expert's {expert!r} is not listed"
+
+
+def _play(env, name: str, task, rng: random.Random, expert: bool, steps: int = 15) -> None:
+    env.reset(task)
+    for _ in range(steps):
+        _check_state(env, name, rng)
+        listed = env.valid_actions()
+        action = env.expert_action() if expert else (rng.choice(listed) if listed else None)
+        if action is None:
+            return
+        if env.step(action).done:
+            assert env.valid_actions() in (None, []) and env.action_grammar() is None
+            return
+
+
+@pytest.mark.parametrize("name", ENVS)
+def test_constrained_language_fits_the_env(name):
+    env = make_env(name)
+    rng = random.Random(f"grammar:{name}")
+    try:
+        for task in _tasks(name, 2):
+            _play(env, name, task, rng, expert=True)
+            _play(env, name, task, rng, expert=False)
+    finally:
+        env.close()
+
+
+# --- Game24 and Countdown: the combines the grammar allows are the valid ones -----------------
+def _combines(numbers) -> list[str]:
+    """Every ``a op b`` over the values left (the same value twice included), as actions spell them."""
+    from envs.arith import fmt
+
+    values = sorted(set(numbers)) + [99]  # 99: never left in these tasks
+    return [f"{fmt(a)} {op} {fmt(b)}" for a, b in itertools.product(values, repeat=2) for op in "+-*/"]
+
+
+@pytest.mark.parametrize("name,numbers,target", [
+    ("game24", [3, 3, 8, 8], 24), ("game24", [1, 4, 6, 12], 24), ("game24", [4, 6, 6, 12], 24),
+    ("countdown", [2, 3, 5, 7, 25, 100], 853), ("countdown", [5, 5, 5], 30),
+])
+def test_arith_grammar_is_exactly_the_valid_combines(name, numbers, target):
+    env = make_env(name)
+    row = {"numbers": numbers} if name == "game24" else {"numbers": numbers, "target": target}
+    rng = random.Random(0)
+    for expert in (True, False):
+        env.reset(env.task_from_dict(row))
+        while not env.state.done:
+            rules, snap = env.action_grammar(), env.snapshot()
+            for action in _combines(env.state.numbers):
+                valid = env.step(action).valid
+                env.restore(snap)
+                assert _accepts(rules, action, name) == valid, (action, env.state.numbers, rules)
+            for action in env.valid_actions():
+                assert _accepts(rules, action, name)
+            action = env.expert_action() if expert else rng.choice(env.valid_actions())
+            if action is None:
+                break
+            env.step(action)
+        assert env.action_grammar() is None
+
+
+def test_arith_grammar_answers_and_refusals():
+    env = make_env("game24")
+    env.reset(env.task_from_dict({"numbers": [1, 2, 3, 4]}))
+    rules = env.action_grammar()
+    for good in ["answer (1 + 2 + 3) * 4", "answer 4 * 3 * 2 * 1", "answer ((4 * 3) * (2 * 1))",
+                 "1 + 2", "4 / 3", "3 - 4"]:
+        assert _accepts(rules, good), good
+    for bad in ["", "1 + 1", "5 + 1", "1 ** 2", "1+2", "1 + 2 = 3", "answer", "answer 5 * 5",
+                "answer -1 + 2", "answer (1 + 2", "answer 1 + 2\n", "take 1"]:
+        assert not _accepts(rules, bad), bad
+    env.step("3 - 1")  # numbers left: 2 2 4
+    env.step("2 - 2")  # numbers left: 0 4
+    rules = env.action_grammar()
+    assert _accepts(rules, "0 / 4") and _accepts(rules, "4 * 0")
+    assert not _accepts(rules, "4 / 0") and not env.step("4 / 0").valid
+
+
+def test_frame_without_action_grammar_for_listed_envs():
+    """Envs whose list is their whole language give no grammar (the format uses the list)."""
+    for name in ("sokoban", "household", "babyai"):
+        env = make_env(name)
+        env.reset(env_class(name).tasks("test", limit=1)[0])
+        assert env.action_grammar() is None and env.valid_actions()
