@@ -164,14 +164,19 @@ def _run_all(tasks: list[Task], strats: list[Strategy], kind: str, limits: list[
              **search_kwargs: Any) -> dict[str, dict[str, dict[str, Any]]]:
     """The searches: rows per strategy and budget; with ``od``, each finished task's outcome
     (and tree) appended to its file at once, so a run that fails keeps every finished task."""
+    if od is not None:
+        od.main_file = "outcomes.jsonl"
+    with ResultLog(od.path / "outcomes.jsonl", od) if od is not None else nullcontext() as log:
+        return _run_logged(tasks, strats, kind, limits, od, save_trees, progress, log, **search_kwargs)
+
+
+def _run_logged(tasks: list[Task], strats: list[Strategy], kind: str, limits: list[float],
+                od: OutDir | None, save_trees: bool, progress: bool, log: ResultLog | None,
+                **search_kwargs: Any) -> dict[str, dict[str, dict[str, Any]]]:
     from .stats import outcomes, paired  # scipy: loaded when a bench runs, not with `omrl --help`
 
     names = _names(strats)
     order = {t.task_id: i for i, t in reversed(list(enumerate(tasks)))}
-    log = None
-    if od is not None:
-        log = ResultLog(od.path / "outcomes.jsonl", od)
-        od.main_file = "outcomes.jsonl"
     rows: dict[str, dict[str, dict[str, Any]]] = {}
     solved: dict[tuple[str, str], dict[str, bool]] = {}
     for si, (name, strat) in enumerate(zip(names, strats)):
@@ -179,33 +184,30 @@ def _run_all(tasks: list[Task], strats: list[Strategy], kind: str, limits: list[
         rows[name] = {}
         for bi, limit in enumerate(limits):
             label = f"{kind}={limit:g}"
-            trees = ResultLog(od.path / "trees" / f"{name}@{label}.jsonl") if od and save_trees else None
+            trees = ResultLog(od.path / "trees" / f"{name}@{label}.jsonl") if od and save_trees else nullcontext()
 
             def on_result(r: Any, name: str = name, label: str = label, key: tuple = (si, bi), trees=trees) -> None:
                 at = (*key, order.get(r.task.task_id, len(order)))
                 if log is not None:
                     log.add(at, json.dumps(outcome_line(name, label, r)))
-                if trees is not None:
+                if isinstance(trees, ResultLog):
                     trees.add(at, r.to_json())
                 if bar is not None:
                     bar.update(1)
 
             t0 = time.perf_counter()
-            results = search_many(tasks, strategy=strat, budget={kind: limit}, on_result=on_result,
-                                  **search_kwargs)
+            with trees:
+                results = search_many(tasks, strategy=strat, budget={kind: limit}, on_result=on_result,
+                                      **search_kwargs)
             row = rows[name][label] = {"strategy": strat.spec(), **summarize(results, time.perf_counter() - t0)}
             solved[name, label] = outcomes(results)
             del results
             if si:
                 row["paired"] = paired(names[0], solved[names[0], label], solved[name, label])
-            if trees is not None:
-                trees.close()
             if bar is not None:
                 bar.set_postfix({label: f"{row['success_rate']:.2f}"})
         if bar is not None:
             bar.close()
-    if log is not None:
-        log.close()
     return rows
 
 

@@ -208,28 +208,26 @@ def search_strategies(tasks: list, strategies: list, out: OutDir | None, **kwarg
     once done) and ``summary.json`` is written at the end."""
     from .stats import outcomes, paired
 
-    log = None
     if out is not None:
-        log = ResultLog(out.path / "results.jsonl", out)
         out.main_file = "results.jsonl"
     order = {t.task_id: i for i, t in reversed(list(enumerate(tasks)))}
     summary: dict[str, dict] = {}
     solved: dict[str, dict[str, bool]] = {}
-    for k, strat in enumerate(strategies):
-        on_result = None
-        if log is not None:
-            on_result = lambda r, k=k: log.add((k, order.get(r.task.task_id, len(order))), r.to_json())  # noqa: E731
-        t0 = time.perf_counter()
-        results = search_many(tasks, strategy=strat, on_result=on_result, **kwargs)
-        key = strat.spec() if len(strategies) > 1 and strat.name in summary else strat.name
-        summary[key] = summarize(results, time.perf_counter() - t0)
-        solved[key] = outcomes(results)
-        del results  # one strategy's trees in memory at a time
+    with ResultLog(out.path / "results.jsonl", out) if out is not None else nullcontext() as log:
+        for k, strat in enumerate(strategies):
+            on_result = None
+            if log is not None:
+                on_result = lambda r, k=k: log.add((k, order.get(r.task.task_id, len(order))), r.to_json())  # noqa: E731
+            t0 = time.perf_counter()
+            results = search_many(tasks, strategy=strat, on_result=on_result, **kwargs)
+            key = strat.spec() if len(strategies) > 1 and strat.name in summary else strat.name
+            summary[key] = summarize(results, time.perf_counter() - t0)
+            solved[key] = outcomes(results)
+            del results  # one strategy's trees in memory at a time
     first = next(iter(summary))
     for key in list(summary)[1:]:
         summary[key]["paired"] = paired(first, solved[first], solved[key])
-    if out is not None and log is not None:
-        log.close()
+    if out is not None:
         (out.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
@@ -281,6 +279,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         notes = getattr(exc, "__notes__", [])  # e.g. where a failed run's finished tasks are
         print(f"omrl: error: {'; '.join([msg.splitlines()[0] if msg else msg, *notes])}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:
+        print("; ".join(["omrl: interrupted", *getattr(exc, "__notes__", [])]), file=sys.stderr)
+        return 130
 
 
 def format_table(summary: dict[str, dict]) -> str:

@@ -130,11 +130,24 @@ class ResultLog:
         if order == self._index:
             return
         tmp = self.path.with_name(self.path.name + ".sorting")
-        with self.path.open("rb") as src, tmp.open("wb") as dst:
-            for _, _, offset, length in order:
-                src.seek(offset)
-                dst.write(src.read(length))
-        os.replace(tmp, self.path)
+        try:
+            with self.path.open("rb") as src, tmp.open("wb") as dst:
+                for _, _, offset, length in order:
+                    src.seek(offset)
+                    dst.write(src.read(length))
+            os.replace(tmp, self.path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> "ResultLog":
+        return self
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        """Sorted when the block ends normally; after an exception the lines stay as written."""
+        if exc is None:
+            self.close()
+        else:
+            self._file.close()
 
 
 def write_file_atomic(path: "str | Path", text: str) -> None:

@@ -187,6 +187,17 @@ def test_user_error_mid_run_is_one_line_that_says_where_the_tasks_are(tmp_path, 
     assert not out.exists() and len((tmp_path / "run.partial" / "results.jsonl").read_text().splitlines()) == 2
 
 
+def test_ctrl_c_mid_run_is_one_line_exit_130_and_keeps_finished_tasks(tmp_path, monkeypatch, capsys):
+    _failing_after(monkeypatch, 3, KeyboardInterrupt())
+    out = tmp_path / "run"
+    assert main([*SEARCH, "--limit", "5", "--out", str(out)]) == 130
+    partial = tmp_path / "run.partial"
+    assert capsys.readouterr().err.strip() == \
+        f"omrl: interrupted; 3 finished tasks kept in {partial / 'results.jsonl'}"
+    assert len((partial / "results.jsonl").read_text().splitlines()) == 3 and not out.exists()
+    assert not _leftovers(tmp_path)
+
+
 def test_bench_exception_keeps_outcomes_and_trees(tmp_path, monkeypatch):
     import omrl_search.bench as bench_mod
 
