@@ -39,9 +39,11 @@ class OutDir:
     def open(cls, final: "str | Path", flag: str = "--out") -> "OutDir":
         """Check ``final`` (a new, empty or omrl output directory whose parent can be created
         and written), clear what killed runs left beside it, and make the temporary sibling."""
-        final = Path(final)
+        final = Path(os.path.abspath(final))  # "." has no name to make a sibling of
         if final.is_symlink():
             final = Path(os.path.realpath(final))
+        if not final.name:
+            raise UsageError(f"{flag} {final}: the root directory cannot be an output")
         if final.exists():
             if not final.is_dir():
                 raise UsageError(f"{flag} {final} exists and is not a directory")

@@ -81,6 +81,19 @@ def test_a_directory_that_is_not_an_omrl_output_is_not_replaced(tmp_path, capsys
     assert {"results.jsonl", "summary.json"} == set(_files(empty))
 
 
+def test_relative_and_symlinked_outputs(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    run.mkdir()
+    monkeypatch.chdir(run)
+    assert main([*SEARCH, "--limit", "1", "--out", "."]) == 0  # the working directory itself
+    assert {"results.jsonl", "summary.json"} == set(_files(run))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "link").symlink_to(run)
+    assert main([*SEARCH, "--limit", "2", "--out", "link"]) == 0  # replaces the target, keeps the link
+    assert (tmp_path / "link").is_symlink() and json.loads((run / "summary.json").read_text())["react"]["tasks"] == 2
+    assert main([*SEARCH, "--limit", "1", "--out", "/"]) == 2
+
+
 def test_bad_argument_after_the_check_leaves_nothing(tmp_path, capsys):
     out = tmp_path / "run"
     assert main([*SEARCH[:-5], "--policy", "hf:/nonexistent/model", "--out", str(out), "--no-progress"]) == 2
