@@ -185,7 +185,7 @@ def _search(args: argparse.Namespace) -> int:
         env_factory = env_server_factory(args.env_server, args.env)
         if args.concurrency is None:  # each tree holds a server env: stay under the server's cap
             args.concurrency = getattr(env_factory, "max_envs", None)
-    executor = executor_from_args(args)
+    executor_from_args(args)  # checked here, before the output; built with the models below
     # the output is checked (and its temporary sibling made) before any model is built
     with OutDir.open(args.out) if args.out else nullcontext() as out:
         executor, policy, reward_model = models_from_args(args)
