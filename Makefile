@@ -4,13 +4,32 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-slow test-vllm bench-backends clean
+.PHONY: install system-packages demo test test-slow test-vllm bench-backends clean
+
+# System packages: bubblewrap (env `os`'s sandbox), Chromium (the report page's browser test),
+# Java (env `sciworld`). Installed with apt only where that can work (root, or passwordless sudo);
+# otherwise one line says the command to run, and without them those features skip their tests.
+# Never fails the install.
+system-packages:
+	@missing=""; uses=""; \
+	command -v bwrap >/dev/null || { missing="$$missing bubblewrap"; uses="$$uses, env os"; }; \
+	command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+	    { missing="$$missing chromium"; uses="$$uses, the report's browser test"; }; \
+	command -v java >/dev/null || { missing="$$missing default-jre-headless"; uses="$$uses, env sciworld"; }; \
+	[ -n "$$missing" ] || exit 0; \
+	if [ "$$(id -u)" = 0 ]; then apt=""; \
+	elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then apt="sudo"; \
+	else apt="no"; fi; \
+	if [ "$$apt" != no ] && command -v apt-get >/dev/null && \
+	    $$apt apt-get update -q >/dev/null && \
+	    $$apt env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing >/dev/null; then \
+	    echo "make install: installed$$missing"; \
+	else \
+	    echo "make install: missing system packages:$$missing; to install them run: sudo apt-get install -y$$missing (without them the install goes on, and $${uses#, } skip their tests)"; \
+	fi
 
 $(STAMP): pyproject.toml Makefile
-	# System packages: bubblewrap (the os env's sandbox), Chromium (the report page's browser test),
-	# Java (ScienceWorld).
-	command -v bwrap >/dev/null && command -v chromium >/dev/null && command -v java >/dev/null || \
-	    { apt-get update -q && apt-get install -y -q bubblewrap chromium default-jre-headless; }
+	@$(MAKE) --no-print-directory system-packages
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# CPU build of torch first: any other torch spec pulls gigabytes of CUDA packages.
