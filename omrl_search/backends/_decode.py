@@ -9,9 +9,11 @@ chunk shares, which both backends compute once.
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 from typing import Any, Sequence
 
+from ..constrain import Grammar, GrammarError, stamp
 from ..types import GenRequest, Generation
 
 
@@ -125,6 +127,20 @@ class ChunkedDecoder:
         order) and their next logits."""
         raise NotImplementedError
 
+    # --- structured decoding (optional; see omrl_search.constrain) ---------------------------
+    #: the backend masks logits with a grammar (``GenRequest.grammar``)
+    supports_grammar = True
+
+    def _guide(self, grammar: Grammar) -> Any:
+        """A fresh per-row grammar state (``accept(token)``, ``close()``); compiles ``grammar``
+        (once per text) and raises a one-line GrammarError naming it when it does not."""
+        raise NotImplementedError
+
+    def _mask(self, state: Any, logits: Any, guides: list[Any]) -> Any:
+        """``logits`` with the tokens ``guides[j]`` does not allow next set to ``-inf`` in
+        batch row ``j`` (None: no grammar, or the row has ended)."""
+        raise NotImplementedError
+
     # --- the shared loop --------------------------------------------------------------------
     def generate(self, requests: list[GenRequest]) -> list[list[Generation]]:
         self._check_open()
@@ -138,7 +154,8 @@ class ChunkedDecoder:
             p = requests[ri].params
             for si in range(p.n):
                 if p.max_tokens <= 0:
-                    out[ri][si] = Generation("", [], [], len(prompts[ri]), 0, "length", False)
+                    out[ri][si] = stamp(Generation("", [], [], len(prompts[ri]), 0, "length", False),
+                                        requests[ri].grammar, "partial")
                 else:
                     rows.append((ri, si))
         with self._decoding():
@@ -156,20 +173,54 @@ class ChunkedDecoder:
             p = requests[ri].params
             rows.append(Row(prompts[ri], p, min(p.max_tokens, context - len(prompts[ri])),
                             self.tokenizer, f"{seeds[ri]}:{si}"))
-        state, logits = self._prefill(chunk, prompts, rows)
-        active = list(range(len(chunk)))  # chunk row of each batch row
-        n_live = len(chunk)
-        while True:
-            tokens, lps = self._sample_rows(state, logits, [rows[b] for b in active])
-            for j, b in enumerate(active):
-                if rows[b].result is None and rows[b].push(tokens[j], lps[j]):
-                    n_live -= 1
-            if n_live == 0:
-                break
-            keep = [j for j, b in enumerate(active) if rows[b].result is None]
-            kept, logits = self._step(state, tokens, active, keep)
-            active = [active[j] for j in kept]
+        grammars = [requests[ri].grammar for ri, _ in chunk]
+        guides: list[Any] = []
+        try:
+            # a grammar that does not compile fails here, before any model work
+            try:
+                guides.extend(self._guide(g) if g is not None else None for g in grammars)
+            except GrammarError as exc:
+                raise GrammarError(f"{getattr(self, 'name', 'policy')}: {exc}") from None
+            guided = any(g is not None for g in guides)
+            state, logits = self._prefill(chunk, prompts, rows)
+            active = list(range(len(chunk)))  # chunk row of each batch row
+            n_live = len(chunk)
+            while True:
+                if guided:
+                    logits = self._mask(state, logits, [guides[b] if rows[b].result is None else None
+                                                        for b in active])
+                tokens, lps = self._sample_rows(state, logits, [rows[b] for b in active])
+                for j, b in enumerate(active):
+                    row = rows[b]
+                    if row.result is None:
+                        if row.push(tokens[j], lps[j]):
+                            n_live -= 1
+                        elif guides[b] is not None:
+                            guides[b].accept(tokens[j])
+                if n_live == 0:
+                    break
+                keep = [j for j, b in enumerate(active) if rows[b].result is None]
+                kept, logits = self._step(state, tokens, active, keep)
+                active = [active[j] for j in kept]
+        finally:
+            for g in guides:
+                if g is not None:
+                    g.close()
+        for row, grammar in zip(rows, grammars):
+            if grammar is not None:
+                stamp(row.result, grammar, None if _can_check() else
+                      ("ok" if row.result.ended_with_eos else "partial"))
         return [r.result for r in rows]  # type: ignore[misc]
+
+
+@functools.lru_cache(maxsize=1)
+def _can_check() -> bool:
+    """Whether the client-side checker (xgrammar) is installed; without it a row generated
+    under the backend's own grammar engine is "ok" when the grammar let it end (EOS is only
+    allowed where the grammar is complete), else "partial"."""
+    import importlib.util
+
+    return importlib.util.find_spec("xgrammar") is not None
 
 
 def _shared_prefix(prompts: list[list[int]]) -> int:

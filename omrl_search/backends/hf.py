@@ -18,6 +18,11 @@ How one :meth:`HFPolicy.generate` call runs:
   token (``log_softmax`` of the unscaled logits: what a trainer recomputes), and drops finished
   rows (EOS, a stop string, ``max_tokens``) from the batch and its KV cache once they are a
   quarter of it;
+* under a grammar (``GenRequest.grammar``, see :mod:`omrl_search.constrain`) each row has an
+  xgrammar matcher; before sampling, the batch's next-token bitmask sets the logits of tokens
+  the grammar does not allow to ``-inf``, so the token is sampled from, and its logprob is the
+  ``log_softmax`` of, the masked distribution (renormalised over the allowed tokens); grammars
+  are compiled once per text for this tokenizer;
 * the KV cache appends into preallocated buffers (transformers' ``DynamicCache`` concatenates,
   copying the whole cache every step: most of a CPU decode step at batch 32).
 
@@ -114,6 +119,7 @@ class HFPolicy(ChunkedDecoder, Policy):
         self.model, self.tokenizer = self._load(path, gguf_file, load_tokenizer=True)
         self._gen = torch.Generator(device="cpu")
         self._gen.seed()
+        self._token_masker: Any = None  # xgrammar for this tokenizer, made on the first grammar
 
     # --- loading ------------------------------------------------------------------------
     def _load(self, path: str, gguf_file: str | None, load_tokenizer: bool) -> tuple[Any, Any]:
@@ -232,6 +238,20 @@ class HFPolicy(ChunkedDecoder, Policy):
                      rows: list[Row]) -> tuple[list[int], list[float]]:
         tokens, lps = self._sample(logits, state["temps"], state["top_ps"], [r.rng for r in rows])
         return tokens.tolist(), lps.tolist()
+
+    def _masker(self) -> Any:
+        if self._token_masker is None:
+            from ..constrain import TokenMasker
+
+            self._token_masker = TokenMasker.from_hf(self.tokenizer.hf, self._vocab_size,
+                                                     self.tokenizer.eos_token_ids)
+        return self._token_masker
+
+    def _guide(self, grammar: Any) -> Any:
+        return self._masker().matcher(grammar)
+
+    def _mask(self, state: dict[str, Any], logits: Any, guides: list[Any]) -> Any:
+        return self._masker().mask(logits, guides)
 
     def _step(self, state: dict[str, Any], tokens: list[int], active: list[int],
               keep: list[int]) -> tuple[list[int], Any]:
