@@ -69,11 +69,27 @@ def test_env_plugin_is_listed_and_solved_by_the_oracle(site, tmp_path):
                 "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((out / "summary.json").read_text())["react"]
-    assert (summary["tasks"], summary["successes"]) == (3, 3)  # goals -3, 2, 5
+    assert (summary["tasks"], summary["successes"]) == (22, 22)  # the odd goals -21..21
     for r in results(out):
         goal = r["task"]["data"]["goal"]
         actions = [n["step"]["action"] for n in r["tree"]["nodes"] if n.get("step")]
         assert actions == ["right" if goal > 0 else "left"] * abs(goal)
+
+
+def test_env_plugin_passes_the_shared_env_property_test(tmp_path):
+    """The recipe's promise: a plugin env is held to the same contract as the bundled ones
+    (installed alone: the shared site also holds deliberately broken entry points)."""
+    copy = shutil.copytree(ROOT / "examples" / "env_plugin", tmp_path / "env_plugin")
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                           "--no-build-isolation", "--no-compile", "--target", str(tmp_path / "site"),
+                           str(copy)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           str(ROOT / "tests" / "test_env_contract.py"), "-k", "walk"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert " passed" in proc.stdout and "failed" not in proc.stdout
 
 
 def test_strategy_plugin_retries_invalid_steps(site, tmp_path):
@@ -101,12 +117,12 @@ def test_backend_plugin_gives_its_own_text(site, tmp_path):
     assert "constant" in omrl(site, "policies").stdout.split()
     out = tmp_path / "constant"
     proc = omrl(site, "search", "--env", "walk", "--policy", "constant:right", "--no-progress",
-                "--out", str(out))
+                "--limit", "13", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     by_goal = {r["task"]["data"]["goal"]: r for r in results(out)}
-    assert {g: r["success"] for g, r in by_goal.items()} == {-3: False, 2: True, 5: True}
-    steps = [n["step"] for n in by_goal[2]["tree"]["nodes"] if n.get("step")]
-    assert [s["completion"] for s in steps] == ["Think: I always do the same.\nAct: right"] * 2
+    assert {g: r["success"] for g, r in by_goal.items()} == {g: g > 0 for g in range(-21, 5, 2)}
+    steps = [n["step"] for n in by_goal[3]["tree"]["nodes"] if n.get("step")]
+    assert [s["completion"] for s in steps] == ["Think: I always do the same.\nAct: right"] * 3
     bad = omrl(site, "search", "--env", "walk", "--policy", "constant:", "--no-progress")
     assert bad.returncode == 2 and bad.stderr.strip() == "omrl: error: constant: give the action, e.g. constant:right"
 
