@@ -5,7 +5,9 @@ parses completions (:meth:`ReActFormat.parse`) and builds one search's prompts
 (:meth:`ReActFormat.prompts`, a :class:`~omrl_search.prompts.Prompts`); the engine only asks it.
 
 The default is ReAct in the OpenManus-RL dataset format: the model answers ``Think: ...`` then
-``Act: <action>``. A malformed completion is never an exception: :meth:`ReActFormat.parse` returns
+``Act: <action>``. For structured decoding the format also writes the grammar of that frame
+(:meth:`ReActFormat.grammar`: its ``think`` and ``act`` literals around the env's action
+language, see docs/design.md §4). A malformed completion is never an exception: :meth:`ReActFormat.parse` returns
 an error text that becomes the invalid-action observation.
 
 :class:`TurnEncoder` builds prompts as token ids turn by turn (first prompt, then for each
@@ -17,6 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
+from .constrain import Grammar
 from .policy import ChatTokenizer
 from .prompts import Prompts
 from .types import Task
@@ -41,6 +44,10 @@ class ReActFormat:
 
     name = "react"
     stop: tuple[str, ...] = ("\nObservation:", "Observation:")
+    #: the frame's literal text before the thought (None: no thought line) and before the action,
+    #: as :meth:`render` writes them: what a constrained completion is made to look like
+    think: str | None = "Think: "
+    act: str = "\nAct: "
 
     def __init__(self, system: str | None = None):
         self.system = system or (
@@ -97,6 +104,19 @@ class ReActFormat:
     def render(self, thought: str, action: str) -> str:
         """The completion text this format expects for a (thought, action)."""
         return f"Think: {thought}\nAct: {action}"
+
+    def grammar(self, kind: str, space: Any = None, source: str = "") -> Grammar:
+        """The grammar of this format's frame: ``kind`` "format" (any one-line action) or
+        "actions", the action being one of the list ``space`` or the language of the rules
+        text ``space`` (a :class:`~omrl_search.constrain.Grammar` passes its rules)."""
+        frame = {"think": self.think, "act": self.act}
+        if kind == "format":
+            return Grammar.any_line(source, **frame)
+        if isinstance(space, Grammar):
+            space = space.rules
+        if isinstance(space, str):
+            return Grammar.from_rules(space, source, **frame)
+        return Grammar.one_of(list(space or ()), source, **frame)
 
 
 AGENT_FORMATS = {"react": ReActFormat}

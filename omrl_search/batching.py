@@ -1,4 +1,5 @@
-"""How the engine fills policy calls: which waiting LM requests go together, in what order.
+"""How the engine fills policy calls: which waiting LM requests go together, in what order,
+how a call is made under deadlines, and how its answer is checked.
 
 Every tree's pending ``expand`` / ``ask`` becomes a :class:`LMWait` (its requests and, as they
 come back, their generations); :class:`WaitingRequests` holds the requests of all trees in the
@@ -19,11 +20,24 @@ their prompt token ids, so siblings and requests of the same task sit next to ea
 backends' prefix reuse (a prefix shared by a chunk prefilled once in ``hf``, the KV stream with
 the longest shared prefix in ``llamacpp``, automatic prefix caching in vLLM) then finds them.
 Neither choice changes any result: a request's sampling seed comes from its own tree and node.
+
+Every answer is checked before the engine uses it (:func:`well_formed`, :func:`checked_scores`):
+a malformed one is a fault of its request, never an exception out of the search.
+
+Time limits: when a request has a deadline (its search's ``seconds`` budget, or the engine's
+``lm_timeout``), its policy call runs on a daemon thread (:class:`BackgroundCall`) and the
+engine waits only until the deadline; a call past it is abandoned (left to finish in the
+background, its answer dropped) and its requests fail with :class:`LMTimeout`.
 """
 from __future__ import annotations
 
+import numbers
+import threading
+import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from .types import Generation
 
 if TYPE_CHECKING:  # pragma: no cover
     from .ops import Op
@@ -34,15 +48,17 @@ SCHEDULES = ("continuous", "lockstep")
 
 class LMWait:
     """One tree's expand or ask (``op``) waiting on the policy: its ``requests``, what the
-    engine keeps per request for the answer (``work``: an expand request's context ids) and,
-    as they come back, the generations (or the exception) of each."""
+    engine keeps per request for the answer (``work``: an expand request's context ids and
+    grammar) and, as they come back, the generations (or the exception) of each. A request
+    slot that is None is not sent (a node the engine would not expand): its answer is given."""
 
     __slots__ = ("i", "op", "work", "requests", "gens", "left")
 
-    def __init__(self, i: int, op: "Op", work: list, requests: list["GenRequest"]):
+    def __init__(self, i: int, op: "Op", work: list, requests: list["GenRequest | None"],
+                 given: Any = None):
         self.i, self.op, self.work, self.requests = i, op, work, requests
-        self.gens: list[Any] = [None] * len(requests)
-        self.left = len(requests)
+        self.gens: list[Any] = [None if r is not None else given for r in requests]
+        self.left = sum(r is not None for r in requests)
 
     def answer(self, slot: int, gens: Any) -> bool:
         """Record request ``slot``'s generations (or its exception); True once all are in."""
@@ -63,8 +79,9 @@ class WaitingRequests:
 
     def add(self, wait: LMWait) -> None:
         for slot, req in enumerate(wait.requests):
-            self._items.append((wait, slot))
-            self.seqs += req.params.n
+            if req is not None:
+                self._items.append((wait, slot))
+                self.seqs += req.params.n
 
     def take(self, cap: int | None, key: Callable[["GenRequest"], Any] | None = None
              ) -> list[tuple[LMWait, int]]:
@@ -118,6 +135,62 @@ class WaitingRequests:
         return [item for j, item in enumerate(items) if j in chosen]
 
 
+class LMTimeout(Exception):
+    """An LM request abandoned at its deadline (the search's ``seconds`` budget or
+    ``lm_timeout``)."""
+
+
+class BackgroundCall:
+    """``fn()`` on a daemon thread: :meth:`wait` until a deadline, then the value (or the
+    exception it raised). A call nobody waits for any more finishes on its own; its answer is
+    dropped with it."""
+
+    __slots__ = ("_done", "_box", "started")
+
+    def __init__(self, fn: Callable[[], Any]):
+        self._done = threading.Event()
+        self._box: list[Any] = []
+        self.started = time.perf_counter()
+
+        def work() -> None:
+            try:
+                self._box.append((True, fn()))
+            except Exception as exc:  # noqa: BLE001 - handed to the waiter
+                self._box.append((False, exc))
+            finally:
+                self._done.set()
+
+        threading.Thread(target=work, daemon=True, name="omrl-lm-call").start()
+
+    def wait(self, until: float | None) -> bool:
+        """Wait until the call is done or ``time.perf_counter()`` reaches ``until`` (None: no
+        limit); whether it is done."""
+        if until is None:
+            return self._done.wait()
+        return self._done.wait(max(0.0, until - time.perf_counter()))
+
+    def result(self) -> Any:
+        ok, value = self._box[0]
+        if not ok:
+            raise value
+        return value
+
+
+def wait_staged(call: BackgroundCall, deadlines: Sequence[float | None]) -> list[bool]:
+    """Wait for ``call`` deadline by deadline: which of ``deadlines`` (one per request of the
+    call) passed before it was done. Returns as soon as the call is done or every deadline
+    has passed (the call is then abandoned)."""
+    expired = [False] * len(deadlines)
+    for when in sorted({d for d in deadlines if d is not None}):
+        if call.wait(when):
+            return expired
+        expired = [e or (d is not None and d <= when) for e, d in zip(expired, deadlines)]
+        if all(expired):
+            return expired
+    call.wait(None)
+    return expired
+
+
 def prompt_key(req: "GenRequest") -> Any:
     """Sort key that puts prompts sharing a prefix next to each other: the prompt ids, else the
     chat messages as one sequence of strings."""
@@ -137,3 +210,101 @@ def _shared(a: Any, b: Any) -> int:
             break
         n += 1
     return n
+
+
+# --- making a call and checking its answer --------------------------------------------------------
+def timeout(call: BackgroundCall | None) -> LMTimeout:
+    took = f" after {time.perf_counter() - call.started:.2f}s" if call is not None else ""
+    return LMTimeout(f"LM call abandoned{took}: past the search's seconds budget or lm_timeout")
+
+
+def call_policy(generate: Callable[[list["GenRequest"]], Any], chunk: list["GenRequest"],
+                deadlines: list[float | None]) -> list[Any]:
+    """``generate(chunk)``: per request its generations or the exception it failed with. A
+    failed call is retried one request at a time, so a bad request fails alone. With
+    deadlines the call runs on a thread, waited for until each request's deadline: a request
+    past it fails with :class:`LMTimeout` (one whose deadline passed already is not sent), and
+    a call whose requests are all past theirs is abandoned."""
+    if not chunk:
+        return []
+    expired = [False] * len(chunk)
+    try:
+        if all(d is None for d in deadlines):
+            gens = generate(chunk)
+        else:
+            now = time.perf_counter()
+            live = [j for j, d in enumerate(deadlines) if d is None or d > now]
+            if len(live) < len(chunk):
+                out: list[Any] = [LMTimeout("the search's time was up before the LM call")] * len(chunk)
+                for j, g in zip(live, call_policy(generate, [chunk[j] for j in live],
+                                                  [deadlines[j] for j in live])):
+                    out[j] = g
+                return out
+            call = BackgroundCall(lambda: generate(chunk))
+            expired = wait_staged(call, deadlines)
+            if all(expired):
+                return [timeout(call)] * len(chunk)
+            gens = call.result()
+        if not isinstance(gens, (list, tuple)) or len(gens) != len(chunk):
+            got = f"{len(gens)} results" if isinstance(gens, (list, tuple)) else type(gens).__name__
+            raise RuntimeError(f"policy returned {got} for {len(chunk)} requests")
+        return [timeout(None) if e else g for g, e in zip(gens, expired)]
+    except Exception as exc:
+        if len(chunk) == 1:
+            return [exc]
+        return [r for j, req in enumerate(chunk)
+                for r in ([timeout(None)] if expired[j] else call_policy(generate, [req], [deadlines[j]]))]
+
+
+def _real(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _count(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0
+
+
+def _malformed(g: Any) -> str:
+    if not isinstance(g, Generation):
+        return f"a {type(g).__name__} instead of a Generation"
+    if not isinstance(g.text, str):
+        return f"generation text is {type(g.text).__name__}, not str"
+    if g.token_ids is not None and (not isinstance(g.token_ids, (list, tuple))
+                                    or not all(_count(t) for t in g.token_ids)):
+        return "generation token_ids are not a list of token ids"
+    if g.logprobs is not None and (not isinstance(g.logprobs, (list, tuple))
+                                   or not all(_real(x) for x in g.logprobs)):
+        return "generation logprobs are not a list of numbers"
+    if not (_count(g.prompt_tokens) and _count(g.completion_tokens)):
+        return f"generation usage is not token counts ({g.prompt_tokens!r}, {g.completion_tokens!r})"
+    return ""
+
+
+def well_formed(gens: Any, n: int) -> tuple[list[Generation], list[str]]:
+    """The well-formed generations of a policy's answer to one request for ``n``, and what was
+    wrong with the rest: an answer that is not a list; an item that is not a
+    :class:`~omrl_search.types.Generation`, or whose ``text`` is not a str, ``token_ids`` not
+    token ids, ``logprobs`` not numbers, usage not token counts; fewer (or more) than ``n``."""
+    if not isinstance(gens, (list, tuple)):
+        return [], [f"policy answered a request with {type(gens).__name__}, not a list of generations"]
+    good, problems = [], []
+    for g in gens:
+        why = _malformed(g)
+        if why:
+            problems.append(why)
+        else:
+            good.append(g)
+    if len(gens) != n:
+        problems.append(f"policy gave {len(gens)} generations for n={n}")
+        good = good[:n]
+    return good, problems
+
+
+def checked_scores(raw: Any, n: int) -> list[float] | Exception:
+    """``raw`` (``Policy.score``'s answer for one request) as ``n`` logprobs (real numbers or
+    ``-inf``), else an exception saying what is wrong."""
+    if not isinstance(raw, (list, tuple)) or len(raw) != n:
+        return RuntimeError(f"policy.score gave {type(raw).__name__} for {n} completions")
+    if not all(_real(x) and x == x and x != float("inf") for x in raw):
+        return RuntimeError("policy.score gave a score that is not a number")
+    return [float(x) for x in raw]

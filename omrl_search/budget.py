@@ -22,6 +22,21 @@ KINDS = ("tokens", "prompt_tokens", "completion_tokens", "lm_calls", "rm_calls",
 class BudgetExhausted(Exception):
     """Raised by an engine primitive when the search's budget is spent."""
 
+    @property
+    def stop_reason(self) -> str:
+        """What the result's ``stop_reason`` says: ``budget:KIND``."""
+        return f"budget:{self.args[0]}"
+
+
+class CapReached(BudgetExhausted):
+    """Raised by an engine primitive when a search reaches one of the engine's safety caps
+    (nodes per tree, faults per search) that hold whatever the budget says; the stop reason
+    names the cap and its value, e.g. ``cap:nodes=20000``."""
+
+    @property
+    def stop_reason(self) -> str:
+        return f"cap:{self.args[0]}"
+
 
 @dataclass(slots=True)
 class Spent:
@@ -108,6 +123,12 @@ class Budget:
                         completion_tokens=sum(g.completion_tokens for g in gens))
         else:
             self.charge(lm_calls=1)
+
+    def deadline(self) -> float | None:
+        """The ``time.perf_counter()`` value at which the ``seconds`` limit is reached (None:
+        no such limit); the engine abandons an LM call that runs past it."""
+        limit = self.limits.get("seconds")
+        return None if limit is None else self._start + limit
 
     def stop_clock(self) -> None:
         self.spent.seconds = time.perf_counter() - self._start

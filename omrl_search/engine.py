@@ -20,31 +20,56 @@ its own tree, the schedule never changes a result.
 What the engine does not do itself: prompts come from the agent format
 (:class:`~omrl_search.prompts.Prompts`), env steps and restores from the search's
 :class:`~omrl_search.env_driver.EnvDriver`, and every LM request is charged to its search's
-budget in one place (:meth:`~omrl_search.budget.Budget.charge_lm`). An exception in an env or
-an LM call marks that node failed and is counted as a fault; the search goes on.
+budget in one place (:meth:`~omrl_search.budget.Budget.charge_lm`). Structured decoding
+(``constrain``): each expansion's request carries the grammar the search's
+:class:`~omrl_search.prompts.Constraint` gives its node (see docs/design.md §4).
+
+Guards (see docs/design.md §4): an exception in an env or an LM call, a malformed answer (not a
+list of well-formed :class:`~omrl_search.types.Generation` s, fewer than ``n``), an LM call that
+runs past its search's ``seconds`` budget or ``lm_timeout`` (abandoned on its thread), or an
+error while the engine builds a tree's children (``MemoryError`` included) is a fault of that
+node or that search only; the others go on. Every search stops at ``max_nodes`` nodes and
+``max_faults`` faults (stop reason ``cap:nodes=N`` / ``cap:faults=N``) whatever its budget.
 """
 from __future__ import annotations
 
 import hashlib
 import time
 from collections import deque
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from .agent import ReActFormat, TurnEncoder
-from .batching import SCHEDULES, LMWait, WaitingRequests, prompt_key
+from .batching import (SCHEDULES, BackgroundCall, LMWait, WaitingRequests, call_policy, checked_scores,
+                       prompt_key, timeout, wait_staged, well_formed)
 from .budget import Budget, BudgetExhausted
 from .env import Env, make_env
 from .env_driver import EnvDriver
-from .ops import AskOp, EvaluateOp, ExpandOp, Op, SearchContext
+from .ops import AskOp, EvaluateOp, ExpandOp, Op, ScoreOp, SearchContext
 from .policy import Policy
+from .prompts import Constraint, ConstraintError, policy_mode
 from .result import SearchResult
 from .reward import RewardModel, aggregate
 from .tree import EXPANDED, FAILED, TERMINAL, Node, SearchTree, unique_states
 from .types import DEFAULT_MAX_TOKENS, GenRequest, Generation, SamplingParams, Task
 
-__all__ = ["Engine", "SearchContext"]
+__all__ = ["DEFAULT_MAX_FAULTS", "DEFAULT_MAX_NODES", "Engine", "SearchContext"]
 
-Served = tuple[list[tuple[LMWait, int]], list[tuple[int, EvaluateOp]]]  # one driver step's work
+#: nodes per tree and faults per search at which any search stops (``None``: no cap)
+DEFAULT_MAX_NODES = 20_000
+DEFAULT_MAX_FAULTS = 1_000
+
+#: one driver step's work: LM requests, evaluations and scorings (by tree)
+Served = tuple[list[tuple[LMWait, int]], list[tuple[int, EvaluateOp]], list[tuple[int, ScoreOp]]]
+_SKIPPED = object()  # the answer of a request the engine did not send (a node it would not expand)
+
+
+class _Crashed:
+    """A tree's answer that could not be built (the engine failed on it): ends that search."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, exc: BaseException):
+        self.error = f"{type(exc).__name__}: {exc}"
 
 
 class Engine:
@@ -52,15 +77,27 @@ class Engine:
 
     ``schedule`` (``continuous`` | ``lockstep``) and ``prefix_order`` choose how LM requests of
     many trees share policy calls (see :mod:`omrl_search.batching`); results do not depend on
-    them."""
+    them. ``constrain`` (auto | none | format | actions) chooses the grammar of expansions (see
+    :mod:`omrl_search.prompts`); a policy without structured decoding runs ``auto``
+    unconstrained and refuses ``format``/``actions`` (a ConstraintError, here).
+    ``lm_timeout``: seconds after which a policy call is abandoned (its requests are faults);
+    ``max_nodes`` / ``max_faults``: the caps every search stops at (None: none)."""
 
     def __init__(self, policy: Policy, *, reward_model: RewardModel | None = None,
                  agent_format: ReActFormat | None = None, sampling: SamplingParams | None = None,
                  max_depth: int | None = None, seed: int = 0,
                  env_factory: Callable[[str], Env] = make_env, schedule: str = "continuous",
-                 prefix_order: bool = True):
+                 prefix_order: bool = True, constrain: str = "auto", lm_timeout: float | None = None,
+                 max_nodes: int | None = DEFAULT_MAX_NODES, max_faults: int | None = DEFAULT_MAX_FAULTS):
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r} (known: {', '.join(SCHEDULES)})")
+        for name, value in (("lm_timeout", lm_timeout), ("max_nodes", max_nodes), ("max_faults", max_faults)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0 < value < float("inf")):
+                raise ValueError(f"{name} must be a positive number or None, got {value!r}")
+        self.constrain = constrain
+        self._mode, self._mode_note = policy_mode(constrain, policy)
+        self.lm_timeout, self.max_nodes, self.max_faults = lm_timeout, max_nodes, max_faults
         self.schedule, self.prefix_order = schedule, bool(prefix_order)
         self.policy = policy
         self.reward_model = reward_model
@@ -105,8 +142,14 @@ class Engine:
                                 seconds=time.perf_counter() - t0)
         tree = SearchTree(task, obs, snap)
         envs = EnvDriver(env, tree, b, [], self.max_depth or getattr(env, "max_steps", 20))
-        prompts = self.format.prompts(env, task, tree, self.encoder)
-        return SearchContext(self, task, tree, b, _mix(self.seed, task.task_id), envs, prompts)
+        try:
+            prompts = self.format.prompts(env, task, tree, self.encoder)
+            constraint = Constraint(self.constrain, self._mode, prompts, envs, self._mode_note)
+        except BaseException:
+            envs.close()
+            raise
+        return SearchContext(self, task, tree, b, _mix(self.seed, task.task_id), envs, prompts,
+                             constraint)
 
     @staticmethod
     def _result(strategy: Any, ctx: SearchContext, stop: str) -> SearchResult:
@@ -122,53 +165,59 @@ class Engine:
             success=bool(best is not None and best.success), spent=ctx.budget.spent.as_dict(),
             faults=ctx.faults, stop_reason=stop, seconds=ctx.budget.spent.seconds,
             verifier_in_loop=bool(getattr(strategy, "verifier_in_loop", False) or ctx.verifier_used),
+            constraint=ctx.constraint.as_dict() if ctx.constraint is not None else {},
         )
 
     # --- serving: policy calls and reward-model calls ---------------------------------------
     def _serve(self, step: Served) -> dict[int, Any]:
         """One driver step: the step's LM requests (one policy call per ``max_batch``
-        sequences) and its evaluations (one reward-model call). Returns the answers of the
-        ops now complete, by tree."""
-        lm, evals = step
+        sequences), its evaluations (one reward-model call) and scorings (one ``policy.score``
+        call). Returns the answers of the ops now complete, by tree."""
+        lm, evals, scores = step
         answers: dict[int, Any] = {}
         if lm:
             if self.prefix_order:
                 lm = sorted(lm, key=lambda item: prompt_key(item[0].requests[item[1]]))
-            gens = self._generate([wait.requests[slot] for wait, slot in lm])
+            gens = self._generate([wait.requests[slot] for wait, slot in lm],
+                                  [self._deadline(wait) for wait, _ in lm])
             for (wait, slot), g in zip(lm, gens):
                 if wait.answer(slot, g):
-                    answers[wait.i] = self._answer(wait)
+                    answers[wait.i] = self._answer_safely(wait)
         if evals:
             answers.update(self._evaluate_all(evals))
+        if scores:
+            answers.update(self._score_all(scores))
         return answers
 
-    def _generate(self, requests: list[GenRequest]) -> list[list[Generation] | Exception]:
+    def _deadline(self, wait: LMWait, start: float | None = None) -> float | None:
+        """When a request of ``wait`` must be answered by: its search's ``seconds`` budget, or
+        ``lm_timeout`` after ``start`` (default now), whichever comes first (None: never)."""
+        end = wait.op.ctx.budget.deadline()
+        if self.lm_timeout is not None:
+            mine = (time.perf_counter() if start is None else start) + self.lm_timeout
+            end = mine if end is None else min(end, mine)
+        return end
+
+    def _generate(self, requests: list[GenRequest], deadlines: Sequence[float | None] | None = None
+                  ) -> list[list[Generation] | Exception]:
         """One policy call per chunk of ``max_batch`` sequences; a failed chunk is retried one
-        request at a time so a bad request fails alone."""
+        request at a time so a bad request fails alone. ``deadlines`` (one per request):
+        see :func:`~omrl_search.batching.call_policy`."""
+        if deadlines is None:
+            deadlines = [None] * len(requests)
         out: list[list[Generation] | Exception] = []
-        chunk: list[GenRequest] = []
+        chunk: list[int] = []
         seqs = 0
-        for req in requests + [None]:  # type: ignore[list-item]
+        for j in range(len(requests) + 1):
+            req = requests[j] if j < len(requests) else None
             if req is None or (chunk and seqs + req.params.n > self.policy.max_batch):
-                out += self._call(chunk)
+                out += call_policy(self.policy.generate, [requests[c] for c in chunk],
+                                   [deadlines[c] for c in chunk])
                 chunk, seqs = [], 0
             if req is not None:
-                chunk.append(req)
+                chunk.append(j)
                 seqs += req.params.n
         return out
-
-    def _call(self, chunk: list[GenRequest]) -> list[list[Generation] | Exception]:
-        if not chunk:
-            return []
-        try:
-            gens = self.policy.generate(chunk)
-            if len(gens) != len(chunk):
-                raise RuntimeError(f"policy returned {len(gens)} results for {len(chunk)} requests")
-            return list(gens)
-        except Exception as exc:
-            if len(chunk) == 1:
-                return [exc]
-            return [r for req in chunk for r in self._call([req])]
 
     def _evaluate_all(self, ops: list[tuple[int, EvaluateOp]]) -> dict[int, list[float]]:
         """Every pending evaluation in one reward-model call; values by tree."""
@@ -203,11 +252,20 @@ class Engine:
         if type(op) is ExpandOp:
             notes, work, requests = op.notes, [], []
             for j, node in enumerate(op.nodes):
+                grammar, fault = ctx.constraint.grammar(node) if ctx.constraint else (None, "")
+                if fault:  # the node cannot be expanded under the constraint asked: no LM call
+                    ctx.faults.append(f"constrain: {fault}")
+                    ctx.constraint.counts["skipped"] += 1
+                    node.status, node.error = FAILED, fault
+                    work.append(None)
+                    requests.append(None)
+                    continue
                 context_ids, req = self._request(ctx, node, op.k, op.temperature,
                                                  notes[j] if notes else "")
-                work.append(context_ids)
+                req.grammar = grammar
+                work.append((context_ids, grammar))
                 requests.append(req)
-            return LMWait(i, op, work, requests)
+            return LMWait(i, op, work, requests, _SKIPPED)
         if type(op) is not AskOp:
             raise TypeError(f"a strategy awaited {op!r}, not an engine op")
         requests = [self._ask_request(ctx, node, prompt, op.n, op.temperature, op.max_tokens, op.stop)
@@ -238,30 +296,47 @@ class Engine:
         return GenRequest(messages, params, prompt_ids, meta)
 
     # --- answers: charged, then children (env stepped) or texts ------------------------------
+    def _answer_safely(self, wait: LMWait) -> Any:
+        """:meth:`_answer`, or the search's end if building it failed (MemoryError included)."""
+        try:
+            return self._answer(wait)
+        except Exception as exc:
+            return _Crashed(exc)
+
     def _answer(self, wait: LMWait) -> list:
         """An answered expand's children per node, or an answered ask's texts per prompt."""
         op = wait.op
         ctx = op.ctx
         if type(op) is AskOp:
-            return [[g.text for g in gens] if (gens := self._charged(ctx, raw)) is not None else []
+            return [[g.text for g in gens] if (gens := self._charged(ctx, raw, op.n)) is not None else []
                     for raw in wait.gens]
         out = []
-        for node, context_ids, raw in zip(op.nodes, wait.work, wait.gens):
-            gens = self._charged(ctx, raw)
+        for node, work, raw in zip(op.nodes, wait.work, wait.gens):
+            if raw is _SKIPPED:
+                out.append([])
+                continue
+            context_ids, grammar = work
+            gens = self._charged(ctx, raw, op.k)
             if node.status != TERMINAL:
                 node.status = EXPANDED
+            if gens is not None and ctx.constraint is not None:
+                ctx.constraint.count(gens, grammar)
             out.append([] if gens is None else self._children(ctx, node, context_ids, gens, op.dedup))
         return out
 
     @staticmethod
-    def _charged(ctx: SearchContext, gens: list[Generation] | Exception) -> list[Generation] | None:
-        """A request's answer charged to its search's budget; None (a fault) if it failed."""
+    def _charged(ctx: SearchContext, gens: Any, n: int) -> list[Generation] | None:
+        """A request's answer, its well-formed generations charged to its search's budget; a
+        failed request, each malformed generation and a short answer are faults. None when
+        nothing usable came back."""
         if isinstance(gens, Exception):
             ctx.budget.charge_lm()
             ctx.faults.append(f"lm: {type(gens).__name__}: {gens}")
             return None
-        ctx.budget.charge_lm(gens)
-        return gens
+        good, problems = well_formed(gens, n)
+        ctx.budget.charge_lm(good)
+        ctx.faults += (f"lm: {p}" for p in problems)
+        return good or None
 
     @staticmethod
     def _children(ctx: SearchContext, node: Node, context_ids: list[int] | None,
@@ -287,12 +362,45 @@ class Engine:
         return self._children(ctx, node, context_ids, gens, dedup)
 
 
+    # --- scoring given completions (policy priors) -------------------------------------------
+    def _score_all(self, ops: list[tuple[int, ScoreOp]]) -> dict[int, list[list[float]]]:
+        """Every pending scoring in one ``policy.score`` call: per tree, per node, the total
+        logprob of each completion. Each node's prompt is one request (its completions share
+        it) charged one LM call and the tokens read; a failed call scores every completion 0
+        (uniform priors) and is a fault of each search."""
+        flat = [(i, op.ctx, node, comps) for i, op in ops for node, comps in zip(op.nodes, op.completions)]
+        requests = []
+        for _, ctx, node, comps in flat:
+            messages, _, prompt_ids = ctx.prompts.step(node)
+            grammar = ctx.constraint.grammar(node)[0] if ctx.constraint is not None else None
+            meta = {"task": ctx.task, "snapshot": node.snapshot, "env": ctx.task.env, "score": True}
+            requests.append(GenRequest(messages, SamplingParams(1.0, 1.0, 0, (), 1, None),
+                                       prompt_ids, meta, grammar))
+        try:
+            got = self.policy.score(requests, [comps for *_, comps in flat])
+            if not isinstance(got, (list, tuple)) or len(got) != len(flat):
+                raise RuntimeError(f"policy.score returned {type(got).__name__} for {len(flat)} requests")
+        except Exception as exc:
+            got = [exc] * len(flat)
+        out: dict[int, list[list[float]]] = {i: [] for i, _ in ops}
+        for (i, ctx, node, comps), req, scores in zip(flat, requests, got):
+            ctx.budget.charge(lm_calls=1, prompt_tokens=len(req.prompt_ids or ())
+                              + sum(len(ctx.prompts.encode(c)) for c in comps))
+            if not isinstance(scores, Exception):
+                scores = checked_scores(scores, len(comps))
+            if isinstance(scores, Exception):
+                ctx.faults.append(f"lm score: {type(scores).__name__}: {scores}")
+                scores = [0.0] * len(comps)
+            out[i].append(scores)
+        return out
+
+
 class _Run:
     """One :meth:`Engine.run`: the tasks not yet started, the live searches (context and
     coroutine) and what each waits on; :meth:`loop` serves them until every task has a result."""
 
     __slots__ = ("engine", "strategy", "budget", "on_result", "queue", "results", "limit", "live",
-                 "waiting", "evals", "ready", "inflight", "streaming")
+                 "waiting", "evals", "scores", "ready", "inflight", "streaming", "collecting")
 
     def __init__(self, engine: Engine, strategy: Any, tasks: Iterable[Task], budget: Budget,
                  concurrency: int | None, on_result: Callable[[SearchResult], None] | None):
@@ -303,9 +411,12 @@ class _Run:
         self.live: dict[int, tuple[SearchContext, Any]] = {}
         self.waiting = WaitingRequests()  # LM requests not yet sent
         self.evals: dict[int, EvaluateOp] = {}  # evaluations not yet served, by tree
+        self.scores: dict[int, ScoreOp] = {}  # scorings not yet served, by tree
         self.ready: list[tuple[int, Any]] = []  # trees to resume at once (an op with no requests)
-        self.inflight: dict[int, tuple[LMWait, int]] = {}  # streaming: submitted, not yet answered
+        # streaming: submitted, not yet answered: (wait, slot, deadline) by ticket
+        self.inflight: dict[int, tuple[LMWait, int, float | None]] = {}
         self.streaming = engine.schedule == "continuous" and bool(getattr(engine.policy, "streams", False))
+        self.collecting: BackgroundCall | None = None  # a timed collect() still running
 
     def loop(self) -> list[SearchResult]:
         engine = self.engine
@@ -317,7 +428,7 @@ class _Run:
                 for i, value in now:
                     self.advance(i, value)
                 continue
-            if not (self.waiting or self.evals or self.inflight):
+            if not (self.waiting or self.evals or self.scores or self.inflight):
                 if self.live:  # every live search waits on something: a driver bug
                     raise RuntimeError("engine: live searches with nothing to serve")
                 continue
@@ -348,12 +459,17 @@ class _Run:
     def advance(self, i: int, value: Any) -> None:
         """Resume tree ``i`` with ``value`` and queue the op it yields next."""
         ctx, coro = self.live[i]
+        if type(value) is _Crashed:  # the engine failed building this tree's answer
+            coro.close()
+            ctx.faults.append(f"engine: {value.error}")
+            self.finish(i, "error")
+            return
         try:
             op = coro.send(value)
         except StopIteration:
             self.finish(i, "done")
         except BudgetExhausted as exc:
-            self.finish(i, f"budget:{exc.args[0]}")
+            self.finish(i, exc.stop_reason)
         except Exception as exc:  # a crashing strategy loses only its own task
             ctx.faults.append(f"strategy: {type(exc).__name__}: {exc}")
             self.finish(i, "error")
@@ -361,17 +477,23 @@ class _Run:
             if type(op) is EvaluateOp:
                 self.evals[i] = op
                 return
+            if type(op) is ScoreOp:
+                self.scores[i] = op
+                return
             try:
                 wait = self.engine._wait(i, op)
+            except ConstraintError:  # a setting that cannot be honoured: the run's error
+                coro.close()
+                raise
             except Exception as exc:  # a prompt that cannot be built ends its own search
                 coro.close()
                 ctx.faults.append(f"engine: {type(exc).__name__}: {exc}")
                 self.finish(i, "error")
                 return
-            if wait.requests:
+            if wait.left:
                 self.waiting.add(wait)
             else:
-                self.ready.append((i, []))
+                self.ready.append((i, self.engine._answer_safely(wait)))
 
     def next_step(self) -> Served:
         """What the engine serves next: LM requests taken from ``waiting`` and evaluations
@@ -381,14 +503,17 @@ class _Run:
         in prompt order, or the next oldest."""
         engine, waiting = self.engine, self.waiting
         if engine.schedule == "lockstep":
-            ev = list(self.evals.items())
-            self.evals.clear()
-            return waiting.take(None), ev
-        if self.evals and waiting.seqs < engine.policy.max_batch:
-            ev = list(self.evals.items())
-            self.evals.clear()
-            return [], ev
-        return waiting.take(engine.policy.max_batch, prompt_key if engine.prefix_order else None), []
+            return waiting.take(None), *self.side_work()
+        if (self.evals or self.scores) and waiting.seqs < engine.policy.max_batch:
+            return [], *self.side_work()
+        return waiting.take(engine.policy.max_batch, prompt_key if engine.prefix_order else None), [], []
+
+    def side_work(self) -> tuple[list[tuple[int, EvaluateOp]], list[tuple[int, ScoreOp]]]:
+        """The pending evaluations and scorings, taken."""
+        ev, sc = list(self.evals.items()), list(self.scores.items())
+        self.evals.clear()
+        self.scores.clear()
+        return ev, sc
 
     def stream(self) -> dict[int, Any]:
         """One driver step with a streaming backend: submit every waiting request (the backend's
@@ -402,27 +527,57 @@ class _Run:
             if engine.prefix_order:
                 items.sort(key=lambda item: prompt_key(item[0].requests[item[1]]))
             tickets = []
-            for item in items:
+            for wait, slot in items:
                 engine._tickets += 1
-                inflight[engine._tickets] = item
-                tickets.append((engine._tickets, item[0].requests[item[1]]))
+                inflight[engine._tickets] = (wait, slot, engine._deadline(wait))
+                tickets.append((engine._tickets, wait.requests[slot]))
             try:
                 engine.policy.submit(tickets)
             except Exception as exc:  # the whole submission failed: each request fails alone
                 done = [(t, exc) for t, _ in tickets]
-        if self.evals and not done:
-            ev = list(self.evals.items())
-            self.evals.clear()
-            return engine._evaluate_all(ev)
+        if (self.evals or self.scores) and not done:
+            ev, sc = self.side_work()
+            answers = engine._evaluate_all(ev) if ev else {}
+            if sc:
+                answers.update(engine._score_all(sc))
+            return answers
         if not done:
-            done = engine.policy.collect()
-            if not done:
-                raise RuntimeError("engine: a streaming policy's collect() returned nothing")
+            done = self.collect()
         for ticket, gens in done:
-            wait, slot = inflight.pop(ticket)
+            entry = inflight.pop(ticket, None)
+            if entry is None:  # answered late, after its request was abandoned
+                continue
+            wait, slot, _ = entry
             if wait.answer(slot, gens):
-                answers[wait.i] = engine._answer(wait)
+                answers[wait.i] = engine._answer_safely(wait)
         return answers
+
+    def collect(self) -> list[tuple[int, Any]]:
+        """The streaming policy's ``collect()``; with deadlines on a thread (one at a time: a
+        collect abandoned earlier is waited on again), waited for until the in-flight requests'
+        deadlines: those past theirs fail with LMTimeout. A collect that raises fails every
+        request in flight."""
+        policy, inflight = self.engine.policy, self.inflight
+        deadlines = [d for _, _, d in inflight.values()]
+        try:
+            if self.collecting is None and all(d is None for d in deadlines):
+                done = policy.collect()
+            else:
+                call = self.collecting or BackgroundCall(policy.collect)
+                expired = wait_staged(call, deadlines)
+                late = {t for t, e in zip(inflight, expired) if e}
+                fail = [(t, timeout(call)) for t in late]
+                if late and len(late) == len(inflight):  # left running; looked at again next time
+                    self.collecting = call
+                    return fail
+                self.collecting = None
+                done = [(t, g) for t, g in call.result() if t not in late] + fail
+        except Exception as exc:
+            self.collecting = None
+            return [(t, exc) for t in inflight]
+        if not done:
+            raise RuntimeError("engine: a streaming policy's collect() returned nothing")
+        return done
 
 
 def _mix(*parts: Any) -> int:

@@ -6,13 +6,22 @@ error). An exception in the env marks that node failed and is counted as a fault
 goes on. A step's result ends its branch when the env says ``terminated`` (solved or lost: the
 node's ``success`` is the env's) or ``truncated`` (cut short: never a success), or when the node
 reaches the search's depth limit (see docs/design.md §4).
+
+For structured decoding the driver also says what the env offers as an action language at a
+node's state (:meth:`EnvDriver.actions`): the env's ``action_grammar()`` rules, else its
+``valid_actions()`` list, else nothing; asked once per node.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
+from .env import ReplayEnv
 from .tree import FAILED, TERMINAL, Node, SearchTree
 from .types import Step, Task
+
+#: what :meth:`EnvDriver.actions` returns: ("rules", text), ("list", actions) or ("", None)
+ActionSpace = tuple[str, Any]
+NO_ACTIONS: ActionSpace = ("", None)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .budget import Budget
@@ -22,13 +31,14 @@ if TYPE_CHECKING:  # pragma: no cover
 class EnvDriver:
     """The env of one search, stepping and restoring it for the tree's nodes."""
 
-    __slots__ = ("env", "tree", "budget", "faults", "max_depth", "at")
+    __slots__ = ("env", "tree", "budget", "faults", "max_depth", "at", "_spaces")
 
     def __init__(self, env: "Env", tree: SearchTree, budget: "Budget", faults: list[str],
                  max_depth: int):
         self.env, self.tree, self.budget, self.faults = env, tree, budget, faults
         self.max_depth = max_depth
         self.at: int | None = 0  # the node whose state the live env holds (None: unknown)
+        self._spaces: dict[int, ActionSpace] = {}
 
     @staticmethod
     def open(env_factory: Callable[[str], "Env"], task: Task) -> tuple["Env", str, Any]:
@@ -98,6 +108,32 @@ class EnvDriver:
                 self.faults.append(f"env heuristic: {type(exc).__name__}: {exc}")
                 out.append(0.0)
         return out
+
+    def actions(self, node: Node) -> ActionSpace:
+        """The action language the env offers at ``node``'s state (restored first), asked once
+        per node: ``("rules", text)`` when ``action_grammar()`` gives rules defining ``action``
+        (a language wider than a list: Game24's ``answer EXPR``, SQL, shell), else
+        ``("list", actions)`` from ``valid_actions()`` (possibly empty), else ``("", None)``.
+        An env error is a fault and reads as ``("list", [])``."""
+        space = self._spaces.get(node.id)
+        if space is not None:
+            return space
+        target = self.env.inner if isinstance(self.env, ReplayEnv) else self.env
+        try:
+            self._restore(node)
+            grammar_fn = getattr(target, "action_grammar", None)
+            rules = grammar_fn() if callable(grammar_fn) else None
+            if rules:
+                space = ("rules", rules)
+            else:
+                listed = target.valid_actions()
+                space = NO_ACTIONS if listed is None else ("list", [str(a) for a in listed])
+        except Exception as exc:
+            self.at = None
+            self.faults.append(f"env actions: {type(exc).__name__}: {exc}")
+            space = ("list", [])
+        self._spaces[node.id] = space
+        return space
 
     def close(self) -> None:
         self.env.close()

@@ -52,7 +52,7 @@ from typing import Any, Callable, Sequence
 
 from .agent import ReActFormat
 from .budget import Budget
-from .engine import Engine
+from .engine import DEFAULT_MAX_FAULTS, DEFAULT_MAX_NODES, Engine
 from .env import Env, make_env
 from .policy import PolicyError, make_policy, require
 from .result import SearchResult
@@ -112,7 +112,8 @@ class Executor:
                on_result: Callable[[SearchResult], None] | None = None,
                policy_weights: tuple[Any, Any] | None = None, **search_kwargs: Any) -> list[SearchResult]:
         """Search ``tasks`` here or on Ray; ``search_kwargs`` are :func:`search_here`'s (seed,
-        max_depth, sampling, concurrency, env_factory, schedule, prefix_order)."""
+        max_depth, sampling, concurrency, env_factory, schedule, prefix_order, constrain,
+        lm_timeout, max_nodes, max_faults)."""
         if self.kind == "ray":
             return search_on_ray(tasks, options=self.options, ray_address=self.ray_address,
                                  strategy=strategy, policy=policy, reward_model=reward_model,
@@ -130,13 +131,18 @@ def search_here(tasks: Sequence[Task], *, strategy: Strategy, policy: Any, rewar
                 sampling: SamplingParams | None = None, concurrency: int | None = None,
                 progress: bool = False, on_result: Callable[[SearchResult], None] | None = None,
                 env_factory: Callable[[str], Env] | None = None, schedule: str = "continuous",
-                prefix_order: bool = True) -> list[SearchResult]:
+                prefix_order: bool = True, constrain: str = "auto", lm_timeout: float | None = None,
+                max_nodes: int | None = DEFAULT_MAX_NODES,
+                max_faults: int | None = DEFAULT_MAX_FAULTS) -> list[SearchResult]:
     """The in-process search (what every Ray actor runs on its share too): one engine, every
-    tree's LM and reward-model calls batched. ``policy``/``reward_model``: objects or specs."""
+    tree's LM and reward-model calls batched. ``policy``/``reward_model``: objects or specs.
+    ``constrain``, ``lm_timeout``, ``max_nodes``, ``max_faults``: see
+    :class:`~omrl_search.engine.Engine`."""
     engine = Engine(make_policy(policy), reward_model=make_reward_model(reward_model),
                     agent_format=ReActFormat(), sampling=sampling, max_depth=max_depth, seed=seed,
                     env_factory=env_factory or make_env, schedule=schedule,
-                    prefix_order=prefix_order)
+                    prefix_order=prefix_order, constrain=constrain, lm_timeout=lm_timeout,
+                    max_nodes=max_nodes, max_faults=max_faults)
     bar = None
     if progress:
         from tqdm import tqdm

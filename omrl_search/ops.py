@@ -1,13 +1,15 @@
 """What a strategy sees of one search: :class:`SearchContext`, its batched primitives, and the
 typed records (:class:`ExpandOp`, :class:`AskOp`, :class:`EvaluateOp`) they hand the engine.
 
-The primitives that need the LM or the reward model (``expand``, ``ask``, ``evaluate``) do not
-call anything themselves: they yield an op record to the engine's driver, which serves every
-tree's pending ops of a round together (one policy call for all expansions *and* asks, one
-reward-model call for all evaluations) and resumes the strategies. ``apply`` and ``heuristic``
-touch only the env and run at once. Every primitive checks the budget *before* its batch and
-raises :class:`~omrl_search.budget.BudgetExhausted` when it is spent, so a search overshoots a
-limit by at most one batch (see docs/design.md §4).
+The primitives that need the LM or the reward model (``expand``, ``ask``, ``score_actions``,
+``evaluate``) do not call anything themselves: they yield an op record to the engine's driver,
+which serves every tree's pending ops of a round together (one policy call for all expansions
+*and* asks, one ``Policy.score`` call for all scorings, one reward-model call for all
+evaluations) and resumes the strategies. ``apply``, ``valid_actions`` and ``heuristic`` touch
+only the env and run at once. Every primitive checks the budget *before* its batch and raises
+:class:`~omrl_search.budget.BudgetExhausted` when it is spent, so a search overshoots a limit by
+at most one batch (see docs/design.md §4); the engine's caps on nodes per tree and faults per
+search (:class:`~omrl_search.budget.CapReached`) are checked the same way.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
+from .budget import CapReached
 from .tree import FAILED, Node, SearchTree
 from .types import Task
 
@@ -22,7 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .budget import Budget
     from .engine import Engine
     from .env_driver import EnvDriver
-    from .prompts import Prompts
+    from .prompts import Constraint, Prompts
 
 
 class Op:
@@ -62,6 +65,15 @@ class AskOp(Op):
 
 
 @dataclass(slots=True)
+class ScoreOp(Op):
+    """The policy's total logprob of each of ``completions[j]`` after ``nodes[j]``'s prompt."""
+
+    ctx: "SearchContext"
+    nodes: list[Node]
+    completions: list[list[str]]
+
+
+@dataclass(slots=True)
 class EvaluateOp(Op):
     """Reward-model values of the paths ending at ``nodes``."""
 
@@ -80,9 +92,9 @@ class SearchContext:
     """
 
     def __init__(self, engine: "Engine", task: Task, tree: SearchTree, budget: "Budget", seed: int,
-                 envs: "EnvDriver", prompts: "Prompts"):
+                 envs: "EnvDriver", prompts: "Prompts", constraint: "Constraint | None" = None):
         self.engine, self.task, self.tree, self.budget = engine, task, tree, budget
-        self.envs, self.prompts = envs, prompts
+        self.envs, self.prompts, self.constraint = envs, prompts, constraint
         self.env = envs.env
         self.rng = random.Random(seed)
         self.seed = seed
@@ -92,6 +104,20 @@ class SearchContext:
         self.has_reward_model = engine.reward_model is not None
         self.scratch: dict[str, Any] = {}
         self.verifier_used = False  # set when the env's success check was consulted
+        self.max_nodes: int | None = getattr(engine, "max_nodes", None)
+        self.max_faults: int | None = getattr(engine, "max_faults", None)
+
+    def check(self, kinds: tuple[str, ...] | None = None) -> None:
+        """Raise when the budget (of ``kinds``) is spent or, for primitives that grow the tree
+        (``kinds`` None), a cap is reached: before every batch."""
+        if kinds is not None:
+            self.budget.check(kinds)
+            return
+        self.budget.check()
+        if self.max_nodes is not None and len(self.tree.nodes) >= self.max_nodes:
+            raise CapReached(f"nodes={self.max_nodes}")
+        if self.max_faults is not None and len(self.faults) >= self.max_faults:
+            raise CapReached(f"faults={self.max_faults}")
 
     # --- batched LM / reward-model primitives ------------------------------------------------
     async def expand(self, nodes: Sequence[Node], k: int = 1, *, temperature: float | None = None,
@@ -102,7 +128,7 @@ class SearchContext:
         With ``dedup`` a child whose state key equals an existing sibling's is kept in the tree
         as pruned and not returned (:func:`~omrl_search.tree.unique_states`).
         """
-        self.budget.check()
+        self.check()
         if not nodes:
             return []
         return await ExpandOp(self, list(nodes), k, temperature, dedup, notes)
@@ -118,7 +144,7 @@ class SearchContext:
         """
         if not self.can_ask:
             raise RuntimeError(f"policy {self.engine.policy.name!r} does not answer free-form prompts")
-        self.budget.check()
+        self.check()
         if not nodes:
             return []
         return await AskOp(self, list(nodes), list(prompts), n, temperature, max_tokens, tuple(stop))
@@ -131,10 +157,25 @@ class SearchContext:
         a spent token budget already paid for (best-of-N's samples) is what a search is for."""
         if self.engine.reward_model is None:
             raise RuntimeError("evaluate() needs a reward model")
-        self.budget.check(("rm_calls", "seconds"))
+        self.check(("rm_calls", "seconds"))
         if not nodes:
             return []
         return await EvaluateOp(self, list(nodes), aggregation)
+
+    async def score_actions(self, nodes: Sequence[Node], completions: Sequence[Sequence[str]]
+                            ) -> list[list[float]]:
+        """The policy's total logprob of each completion text in ``completions[j]`` as the
+        next step at ``nodes[j]`` (one ``Policy.score`` call over every pending scoring, each
+        node's prompt shared by its completions). For policy priors over a few valid actions
+        (``mcts:priors=policy``); charged one LM call and the tokens read per node. Needs a
+        policy that scores (:attr:`can_score`)."""
+        if not self.can_score:
+            raise RuntimeError(f"policy {self.engine.policy.name!r} does not score completions "
+                               f"(it has no Policy.score)")
+        self.check()
+        if not nodes:
+            return []
+        return await ScoreOp(self, list(nodes), [list(c) for c in completions])
 
     async def rollout(self, nodes: Sequence[Node], *, temperature: float | None = None) -> list[Node]:
         """Extend each node one sampled step at a time until terminal; return the leaves."""
@@ -156,8 +197,14 @@ class SearchContext:
     def apply(self, node: Node, completions: Sequence[str], *, dedup: bool = True) -> list[Node]:
         """Children of ``node`` from given completion texts (e.g. steps an LM listed in one
         ``ask``), each stepped in the env after restoring ``node``'s snapshot."""
-        self.budget.check()
+        self.check()
         return self.engine.apply(self, node, list(completions), dedup)
+
+    def valid_actions(self, node: Node) -> list[str] | None:
+        """The env's valid actions at ``node``'s state (None when the env does not list them, or
+        gives a grammar instead), asked once per node."""
+        kind, space = self.envs.actions(node)
+        return list(space) if kind == "list" else None
 
     @property
     def has_heuristic(self) -> bool:
@@ -177,6 +224,11 @@ class SearchContext:
     @property
     def can_ask(self) -> bool:
         return self.engine.answers_prompts
+
+    @property
+    def can_score(self) -> bool:
+        """Whether the policy scores given completions (``Policy.score``)."""
+        return callable(getattr(self.engine.policy, "score", None))
 
     def expandable(self, node: Node) -> bool:
         return not node.terminal and node.status != FAILED and node.depth < self.max_depth

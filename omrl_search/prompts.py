@@ -9,16 +9,38 @@ Messages are built once per node and cached (a child's chat is its parent's plus
 With a :class:`~omrl_search.agent.TurnEncoder`, a step's prompt ids are the ids recorded along the
 node's path plus the new turn, copied once, never re-rendered, so a trajectory's ids are exactly
 what the policy saw.
+
+Structured decoding (see docs/design.md §4): :class:`Constraint` decides, per search and per
+node, the grammar an expansion's request carries (:meth:`Prompts.grammar` writes it in the
+format's frame) and counts what each generation was generated under. ``constrain`` is one of
+:data:`CONSTRAIN_MODES`:
+
+* ``none``: no grammar; ``format``: the Think/Act frame with any one-line action;
+* ``actions``: the frame with the env's action language at the node's state (its
+  ``action_grammar()`` rules or its ``valid_actions()`` list); an env offering neither is a
+  :class:`ConstraintError`, a node where it lists no action is a fault on that node (no LM call);
+* ``auto`` (default): ``actions`` where the env offers them, else ``format``; a node where the
+  env lists no action falls back to ``format``, a policy that cannot constrain to ``none``, each
+  recorded in the result's ``constraint`` notes. ``ask`` prompts never carry a grammar.
 """
 from __future__ import annotations
 
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
+from .constrain import Grammar, GrammarError, stamp, validate
 from .types import Generation, Step, Task
 
 if TYPE_CHECKING:  # pragma: no cover
     from .agent import ReActFormat, TurnEncoder
+    from .env_driver import EnvDriver
     from .tree import Node, SearchTree
+
+#: the values of the ``constrain`` setting (Engine, search_many, ``--constrain``)
+CONSTRAIN_MODES = ("auto", "none", "format", "actions")
+#: the counters of a result's ``constraint`` record (see :meth:`Constraint.as_dict`)
+CONSTRAINT_COUNTS = ("requests", "generations", "actions", "format", "none", "violations",
+                     "partial", "fallbacks", "skipped")
 
 Messages = list[dict[str, str]]
 
@@ -102,6 +124,149 @@ class Prompts:
                     completion_ids=gen.token_ids, logprobs=gen.logprobs)
         return step, parsed.error
 
+    @property
+    def source(self) -> str:
+        """The env's name, for grammars and messages."""
+        return getattr(self.env, "name", "") or type(self.env).__name__
+
+    def grammar(self, kind: str, space: Any = None) -> Grammar:
+        """The grammar of a step in the format's frame: ``kind`` "format" or "actions" with
+        ``space`` (a list of actions or rules text; see :meth:`ReActFormat.grammar`)."""
+        return self.format.grammar(kind, space, self.source)
+
     def encode(self, text: str) -> list[int]:
         """Token ids of a given completion text (``[]`` without a tokenizer)."""
         return self.encoder.tok.encode(text) if self.encoder is not None else []
+
+
+# --- structured decoding ----------------------------------------------------------------------
+class ConstraintError(ValueError):
+    """A ``constrain`` setting that cannot be honoured (a policy without structured decoding, an
+    env without an action language, rules that do not compile): one line naming what."""
+
+
+def check_mode(mode: str) -> str:
+    if mode not in CONSTRAIN_MODES:
+        raise ConstraintError(f"constrain must be one of {', '.join(CONSTRAIN_MODES)}, not {mode!r}")
+    return mode
+
+
+def policy_mode(mode: str, policy: Any) -> tuple[str, str]:
+    """The mode searches run under with ``policy`` and why it differs from ``mode`` ("" if it
+    does not): a policy that cannot generate under a grammar (``supports_grammar`` unset) runs
+    ``auto`` unconstrained; an explicit ``format``/``actions`` with it is a ConstraintError."""
+    check_mode(mode)
+    if mode == "none" or getattr(policy, "supports_grammar", False):
+        return mode, ""
+    name = getattr(policy, "name", type(policy).__name__)
+    if mode != "auto":
+        raise ConstraintError(f"constrain={mode}: policy {name!r} cannot generate under a grammar "
+                              f"(no structured decoding in its backend); use constrain=auto or none")
+    return "none", f"policy {name!r} cannot generate under a grammar: unconstrained"
+
+
+_SKIP = object()
+
+
+class Constraint:
+    """One search's structured decoding: the mode asked and the one in force, the grammar of
+    each node's expansion (built once per node) and counts of what every generation was made
+    under (:meth:`as_dict`, the result's ``constraint``)."""
+
+    __slots__ = ("asked", "mode", "prompts", "envs", "notes", "counts", "_grammars", "_format")
+
+    def __init__(self, asked: str, mode: str, prompts: Prompts, envs: "EnvDriver", note: str = ""):
+        self.asked, self.mode, self.prompts, self.envs = asked, mode, prompts, envs
+        self.notes: list[str] = [note] if note else []
+        self.counts = dict.fromkeys(CONSTRAINT_COUNTS, 0)
+        self._grammars: dict[int, Any] = {}
+        self._format: Grammar | None = None
+        env = getattr(envs.env, "name", "") or type(envs.env).__name__
+        if mode != "none" and not callable(getattr(prompts.format, "grammar", None)):
+            why = f"agent format {getattr(prompts.format, 'name', '?')!r} writes no grammar"
+            if asked != "auto":
+                raise ConstraintError(f"constrain={asked}: {why}")
+            self.mode = "none"
+            self.note(f"{why}: unconstrained")
+        elif mode in ("auto", "actions"):
+            root = envs.tree.root
+            offers = envs.actions(root)[0] != ""
+            if mode == "actions" and not offers:
+                raise ConstraintError(f"constrain=actions: env {env!r} offers neither valid_actions() "
+                                      f"nor action_grammar(); use constrain=format or auto")
+            self.mode = "actions" if offers else "format"
+            if not offers:
+                self.note(f"env {env!r} offers no action language: the format alone")
+
+    def note(self, text: str) -> None:
+        if text not in self.notes and len(self.notes) < 8:
+            self.notes.append(text)
+
+    def grammar(self, node: "Node") -> tuple[Grammar | None, str]:
+        """The grammar of an expansion at ``node`` and, when the node cannot be expanded under
+        the constraint asked (``actions`` where the env lists no action), the fault ("" if
+        none): no request is sent then."""
+        mode = self.mode
+        if mode == "none":
+            return None, ""
+        if mode == "format":
+            return self._frame(), ""
+        got = self._grammars.get(node.id)
+        if got is None:
+            got = self._grammars[node.id] = self._actions_grammar(node)
+        if got is _SKIP:
+            return None, f"constrain=actions: no valid action at node {node.id}"
+        if got is None:
+            self.counts["fallbacks"] += 1
+            return self._frame(), ""
+        return got, ""
+
+    def _frame(self) -> Grammar:
+        if self._format is None:
+            self._format = self.prompts.grammar("format")
+        return self._format
+
+    def _actions_grammar(self, node: "Node") -> Any:
+        """The node's action grammar; None: fall back to the format (``auto``); _SKIP: fault."""
+        kind, space = self.envs.actions(node)
+        env = self.prompts.source
+        if kind == "" or (kind == "list" and not space):
+            if self.asked != "auto":
+                return _SKIP
+            self.note(f"env {env!r} listed no valid action at a non-terminal state: the format alone there")
+            return None
+        try:
+            grammar = self.prompts.grammar("actions", space)
+            if kind == "rules" and _HAVE_XGRAMMAR:
+                validate(grammar)
+        except GrammarError as exc:
+            if self.asked != "auto":
+                raise ConstraintError(f"constrain={self.asked}: {exc}") from None
+            self.note(f"{exc}: the format alone")
+            return None
+        return grammar
+
+    def count(self, gens: list[Generation], grammar: Grammar | None) -> None:
+        """Count one answered request's generations by the constraint each was made under; a
+        generation the backend did not check against its grammar is checked here."""
+        c = self.counts
+        c["requests"] += 1
+        c["generations"] += len(gens)
+        for g in gens:
+            if grammar is not None and not g.constraint_check and _HAVE_XGRAMMAR:
+                try:
+                    stamp(g, grammar)
+                except GrammarError:
+                    pass
+            c[g.constraint if g.constraint in ("actions", "format") else "none"] += 1
+            if g.constraint_check == "violated":
+                c["violations"] += 1
+            elif g.constraint_check == "partial":
+                c["partial"] += 1
+
+    def as_dict(self) -> dict[str, Any]:
+        """``asked`` (the setting), ``mode`` (what this search ran under), the counts and notes."""
+        return {"asked": self.asked, "mode": self.mode, **self.counts, "notes": list(self.notes)}
+
+
+_HAVE_XGRAMMAR = importlib.util.find_spec("xgrammar") is not None

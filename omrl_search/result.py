@@ -10,8 +10,9 @@ import json
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
+from .prompts import CONSTRAINT_COUNTS
 from .tree import Node, SearchTree, Trajectory
 from .types import Step, Task
 
@@ -28,6 +29,9 @@ class SearchResult:
     stop_reason: str = "done"
     seconds: float = 0.0
     verifier_in_loop: bool = False
+    #: structured decoding: the setting asked, the mode the search ran under and what each
+    #: generation was made under (counts and notes; see :class:`~omrl_search.prompts.Constraint`)
+    constraint: dict[str, Any] = field(default_factory=dict)
 
     @property
     def best_trajectory(self) -> Trajectory | None:
@@ -49,7 +53,7 @@ class SearchResult:
         return {"task": asdict(self.task), "strategy": self.strategy, "best": self.best,
                 "success": self.success, "spent": self.spent, "faults": self.faults,
                 "stop_reason": self.stop_reason, "seconds": self.seconds,
-                "verifier_in_loop": self.verifier_in_loop,
+                "verifier_in_loop": self.verifier_in_loop, "constraint": self.constraint,
                 "tree": {"nodes": nodes, "merge_edges": merges}}
 
     def to_json(self) -> str:
@@ -81,7 +85,7 @@ class SearchResult:
 
 
 _META_FIELDS = ("strategy", "best", "success", "spent", "faults", "stop_reason", "seconds",
-                "verifier_in_loop")
+                "verifier_in_loop", "constraint")
 
 
 @lru_cache(maxsize=1)
@@ -99,9 +103,31 @@ def _adapters() -> dict[str, Any]:
         stop_reason: str
         seconds: float
         verifier_in_loop: bool
+        constraint: dict[str, Any]
 
     return {"task": TypeAdapter(Task), "step": TypeAdapter(Step), "node": TypeAdapter(Node),
             "meta": TypeAdapter(Meta)}
+
+
+def constraint_totals(results: Iterable[SearchResult]) -> dict[str, Any]:
+    """Structured decoding over many results (a summary's ``constraint``): the settings asked,
+    how many searches ran under each mode, the summed counts and the distinct notes."""
+    out: dict[str, Any] = {"asked": [], "modes": {}, **dict.fromkeys(CONSTRAINT_COUNTS, 0), "notes": []}
+    for r in results:
+        c = r.constraint or {}
+        if not c:
+            continue
+        if c.get("asked") not in out["asked"]:
+            out["asked"].append(c.get("asked"))
+        mode = str(c.get("mode"))
+        out["modes"][mode] = out["modes"].get(mode, 0) + 1
+        for key in CONSTRAINT_COUNTS:
+            out[key] += int(c.get(key, 0) or 0)
+        for note in c.get("notes", ()):
+            if note not in out["notes"]:
+                out["notes"].append(note)
+    out["asked"] = ",".join(str(a) for a in out["asked"])
+    return out
 
 
 def _json_default(obj: Any) -> Any:
