@@ -199,7 +199,7 @@ class EnvPool:
         with self._lock:
             slots = list(self._slots.items())
         for idx, slot in slots:
-            if slot.lock.acquire(timeout=self.call_timeout):
+            if slot.lock.acquire(timeout=1.0):  # a busy env is left to its (daemon) thread
                 try:
                     if slot.env is not None:
                         _quiet_close(self._discard(idx, slot, "closed: the server shut down"))

@@ -386,8 +386,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="env_command", required=True)
     s = sub.add_parser("serve", help="serve one registered env over HTTP (AgentGym's protocol + snapshots)")
     s.add_argument("--env", required=True, help="registered env name (see `omrl envs`)")
-    s.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1; any "
-                   "other needs --token, see docs/reliability.md)")
+    s.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1; for any "
+                   "other set a token, see docs/reliability.md)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-envs", type=int, default=64, help="live envs at most (default 64)")
     s.add_argument("--idle-timeout", type=float, default=600.0,
@@ -401,7 +401,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help=f"largest request body in MiB; past it 413 (default {MAX_BODY_MB:g})")
     s.add_argument("--token", default=None,
                    help=f"require 'Authorization: Bearer TOKEN' on every request (default: ${TOKEN_VAR} "
-                        "if set, else no auth)")
+                        "if set, else no auth; the variable keeps it out of `ps`)")
     s.add_argument("--trust-tasks", action="store_true",
                    help="accept full task dicts for an env without task_from_dict (unchecked)")
     s.add_argument("--log-level", default="warning", help="uvicorn's log level (default warning)")
