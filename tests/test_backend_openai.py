@@ -36,6 +36,7 @@ class Fake(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), Handler)
         self.mode, self.status, self.fail_first, self.delay = "ok", 500, 0, 0.0
         self.ignore_n = False
+        self.obey_grammar = False  # answer a request that carries a grammar with a valid sentence
         self.gather = 0  # hold each call until this many are in flight (at most 2 s)
         self.bodies: list[dict] = []
         self.lock = threading.Condition()
@@ -99,6 +100,8 @@ class Handler(BaseHTTPRequestHandler):
         choices = []
         for i in range(n):
             text = f"Act: s{body.get('seed')}-{i}"
+            if s.obey_grammar and "grammar" in body:
+                text = f"Think: seed {body.get('seed')}\nAct: look"
             if "prompt" in body:  # like llama-cpp-python: the stop string left in the text
                 text += "\nObservation: x"
             pieces = list(text)
@@ -297,6 +300,38 @@ def test_engine_streams_to_the_server_and_trees_match_batched_calls(fake: Fake) 
     assert runs["continuous"] == runs["lockstep"]
 
 
+# --- grammars: sent in the server's fields, every answer checked on the client ---------------
+def test_grammar_goes_in_the_fields_and_ignoring_servers_are_caught(fake: Fake) -> None:
+    pytest.importorskip("xgrammar")
+    from omrl_search.constrain import Grammar
+
+    grammar = Grammar.one_of(["look", "take key"], source="room")
+    p = OpenAIPolicy(f"{fake.url}#m")
+    r = GenRequest(MSGS, SamplingParams(max_tokens=8, n=2, seed=5), grammar=grammar)
+    [gens] = p.generate([r])  # the fake ignores grammars, like a server without support
+    body = fake.bodies[-1]
+    assert body["grammar"] == grammar.text and body["structured_outputs"] == {"grammar": grammar.text}
+    assert [(g.constraint, g.constraint_check, g.constrained) for g in gens] == [("none", "violated", False)] * 2
+    assert p.grammar_violations == 2
+    fake.obey_grammar = True
+    [gens] = p.generate([r])
+    assert [(g.text, g.constraint, g.constraint_check) for g in gens] == [
+        ("Think: seed 5\nAct: look", "actions", "ok"), ("Think: seed 5\nAct: look", "actions", "ok")]
+    assert p.grammar_violations == 2
+    [[g]] = p.generate([req()])  # no grammar: nothing sent, nothing stamped
+    assert "grammar" not in fake.bodies[-1] and (g.constraint, g.constraint_check) == ("none", "")
+    q = OpenAIPolicy(f"{fake.url}#m", grammar_fields="guided_grammar,ebnf")
+    q.generate([r])
+    assert {k: fake.bodies[-1].get(k) for k in ("grammar", "guided_grammar", "ebnf")} == {
+        "grammar": None, "guided_grammar": grammar.text, "ebnf": grammar.text}
+    with pytest.raises(PolicyError, match="grammar_fields takes grammar, structured_outputs"):
+        OpenAIPolicy(f"{fake.url}#m", grammar_fields="json")
+    bad = Grammar.from_rules('action ::= "go " dir', source="maze")
+    with pytest.raises(PolicyError, match="openai: grammar from maze does not compile") as e:
+        p.generate([GenRequest(MSGS, SamplingParams(max_tokens=4), grammar=bad)])
+    assert "\n" not in str(e.value)
+
+
 # --- for real: llama-cpp-python's server on the bundled SmolLM2 -------------------------------
 @pytest.fixture(scope="module")
 def llama_server():
@@ -356,7 +391,22 @@ def test_cli_search_through_llama_cpp_server(llama_server: str, tmp_path) -> Non
                    "--max-tokens", "8", "--max-depth", "1", "--no-progress", "--out", str(tmp_path)])
     assert rc == 0
     row = buf.getvalue().splitlines()[-2].split()
-    assert row[:2] == ["react", "2"] and row[-1] == "0"  # two tasks, no faults
+    assert row[0] == "react" and row[1].endswith("/2") and row[-1] == "0"  # two tasks, no faults
     results = list(read_results(tmp_path / "results.jsonl"))
     assert [len(r.tree.nodes) for r in results] == [2, 2]
     assert all(r.tree.nodes[1].step.completion for r in results)
+
+
+def test_grammar_through_llama_cpp_server(llama_server: str) -> None:
+    """llama-cpp-python's server applies the ``grammar`` field: every answer is in the language."""
+    pytest.importorskip("xgrammar")
+    from omrl_search.constrain import Grammar
+
+    grammar = Grammar.one_of(["look", "take key", "open door"], source="room", think=None, act="Act: ")
+    p = OpenAIPolicy(f"{llama_server}#smollm2")
+    reqs = [GenRequest(MSGS, SamplingParams(temperature=1.0, max_tokens=16, seed=s), grammar=grammar)
+            for s in range(3)]
+    for [g] in p.generate(reqs):
+        assert (g.constraint, g.constraint_check) == ("actions", "ok"), g.text
+        assert g.text in ("Act: look", "Act: take key", "Act: open door")
+    assert p.grammar_violations == 0

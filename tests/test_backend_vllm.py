@@ -288,3 +288,58 @@ def test_bad_model_paths_are_one_line(tmp_path, policy) -> None:
     with pytest.raises(PolicyError, match="different vocabulary"):
         (tmp_path / "config.json").write_text('{"vocab_size": 7}')
         policy.reload(str(tmp_path))
+
+
+# --- structured decoding ----------------------------------------------------------------------
+def test_grammar_goes_in_vllms_structured_outputs_params() -> None:
+    """Without vLLM: the parameter ``_params`` builds for a grammar, for vLLM versions with
+    ``StructuredOutputsParams`` and for older ones with ``GuidedDecodingParams`` only."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("xgrammar")
+    from omrl_search.backends.vllm import VLLMPolicy
+    from omrl_search.constrain import Grammar
+
+    grammar = Grammar.one_of(["look", "take key"], source="room")
+    p = object.__new__(VLLMPolicy)
+    p.max_model_len, p.tokenizer = 100, SimpleNamespace(eos_token_ids=frozenset({2}))
+    r = GenRequest([], SamplingParams(max_tokens=8), grammar=grammar)
+    for name, key in (("StructuredOutputsParams", "structured_outputs"), ("GuidedDecodingParams", "guided_decoding")):
+        sp = SimpleNamespace(**{name: lambda **kw: ("params", kw)})
+        p._vllm = SimpleNamespace(sampling_params=sp, SamplingParams=lambda **kw: kw)
+        made = p._params(r, 10)
+        assert made[key] == ("params", {"grammar": grammar.text})
+    assert "structured_outputs" not in p._params(GenRequest([], SamplingParams(max_tokens=8)), 10)
+    bad = Grammar.from_rules('action ::= "go " dir', source="maze")
+    with pytest.raises(PolicyError, match="vllm: grammar from maze does not compile"):
+        p._params(GenRequest([], SamplingParams(max_tokens=8), grammar=bad), 10)
+
+
+@needs_vllm
+def test_outputs_under_a_grammar_parse_and_logprobs_are_masked(policy) -> None:
+    """Every completion is in the language; each logprob is log_softmax over the tokens the
+    grammar allowed there (xgrammar's mask for this tokenizer, from a transformers forward pass)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from omrl_search.constrain import Grammar, TokenMasker
+
+    grammar = Grammar.one_of(["look", "take key", "open door"], source="room", think=None, act="Act: ")
+    r = GenRequest(MSGS[0], SamplingParams(temperature=1.0, max_tokens=16, n=4, seed=3),
+                   prompt_ids=ids_of(policy, MSGS[0]), grammar=grammar)
+    [gens] = policy.generate([r])
+    model = AutoModelForCausalLM.from_pretrained(policy.path, dtype=torch.float32).eval()
+    V = model.get_input_embeddings().weight.shape[0]
+    masker = TokenMasker.from_hf(policy.tokenizer.hf, V, policy.tokenizer.eos_token_ids)
+    for g in gens:
+        assert (g.constraint, g.constraint_check) == ("actions", "ok"), g.text
+        assert g.text in ("Act: look", "Act: take key", "Act: open door")
+        with torch.no_grad():
+            logits = model(torch.tensor([r.prompt_ids + g.token_ids])).logits[0].float()
+        guide, P = masker.matcher(grammar), len(r.prompt_ids)
+        for i, t in enumerate(g.token_ids):
+            row = logits[P - 1 + i].clone()[None]
+            masker.mask(row, [guide])
+            assert g.logprobs[i] == pytest.approx(torch.log_softmax(row[0], -1)[t].item(), abs=2e-3)
+            if t not in policy.tokenizer.eos_token_ids:
+                guide.accept(t)

@@ -50,20 +50,44 @@ SGLang) then adds new requests to the sequences it is decoding. A request that f
 retries is a fault of its own node only. ``stream=false`` (or the ``lockstep`` schedule) uses
 batched ``generate`` calls as above.
 
+Structured decoding: a request's grammar (``GenRequest.grammar``, see
+:mod:`omrl_search.constrain`) is sent in the body fields named by ``grammar_fields`` (default
+``grammar,structured_outputs``), as the grammar text every backend gets (GBNF / xgrammar EBNF):
+
+=====================  ==============================================================
+field                  servers that accept it
+=====================  ==============================================================
+``grammar``            llama.cpp's ``llama-server`` and llama-cpp-python's server (GBNF)
+``structured_outputs`` vLLM >= 0.10.2 (``{"grammar": text}``; the only one since 0.12)
+``guided_grammar``     vLLM < 0.12 (removed in 0.12)
+``ebnf``               SGLang
+=====================  ==============================================================
+
+Servers ignore fields they do not know, so the defaults cover llama.cpp and current vLLM; name
+``guided_grammar`` or ``ebnf`` for the others. Every returned text is checked against the grammar
+on the client (:func:`omrl_search.constrain.check`, needs xgrammar): a text outside the language
+(a server that ignored the field) gets ``constraint="none"``, ``constraint_check="violated"``
+and is counted in :attr:`OpenAIPolicy.grammar_violations`, never reported as constrained.
+Logprobs under a grammar are what the server reports (vLLM: from the masked logits).
+
 ``reload(path)`` is not possible: the server holds the weights; restart it on the new checkpoint.
 An API key is read from the environment variable named by ``api_key_env`` (``OPENAI_API_KEY``).
 """
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any
 
+from ..constrain import GrammarError, stamp, validate
 from ..policy import Policy, PolicyError, from_path_spec, register_policy, require
 from ..types import GenRequest, Generation
 from .hf import _first_line
 
 _SEED_MOD = 2**31
+#: request fields a grammar can go in (see the module docstring)
+GRAMMAR_FIELDS = ("grammar", "structured_outputs", "guided_grammar", "ebnf")
 _MAX_WAIT = 30.0
 
 
@@ -83,12 +107,15 @@ class OpenAIPolicy(Policy):
     """
 
     name = "openai"
+    #: sends grammars to the server and checks the answers (see the module docstring)
+    supports_grammar = True
 
     def __init__(self, url: str, tokenizer: Any = None, endpoint: str = "auto",
                  send_ids: bool = False, max_in_flight: int = 16, timeout: float = 60.0,
                  connect_timeout: float = 10.0, retries: int = 3, backoff: float = 0.5,
                  logprobs: bool = True, max_batch: int = 64, stream: bool = True,
-                 api_key_env: str = "OPENAI_API_KEY") -> None:
+                 api_key_env: str = "OPENAI_API_KEY",
+                 grammar_fields: str = "grammar,structured_outputs") -> None:
         self._httpx = require("httpx", "openai")
         base, _, model = str(url).partition("#")
         if not base.startswith(("http://", "https://")):
@@ -97,6 +124,15 @@ class OpenAIPolicy(Policy):
             raise PolicyError(f"openai: endpoint must be auto, chat or completions, not {endpoint!r}")
         if min(max_in_flight, max_batch) < 1 or retries < 0 or timeout <= 0 or backoff < 0:
             raise PolicyError("openai: max_in_flight, max_batch >= 1, retries >= 0, timeout > 0, backoff >= 0")
+        fields = [f for f in str(grammar_fields).replace("+", ",").split(",") if f]
+        unknown = [f for f in fields if f not in GRAMMAR_FIELDS]
+        if unknown or not fields:
+            raise PolicyError(f"openai: grammar_fields takes {', '.join(GRAMMAR_FIELDS)} "
+                              f"(comma separated), not {grammar_fields!r}")
+        self.grammar_fields = tuple(fields)
+        #: generations whose text violated the grammar they were asked under
+        self.grammar_violations = 0
+        self._lock = threading.Lock()
         self.base = base.rstrip("/")
         self.max_in_flight, self.max_batch = int(max_in_flight), int(max_batch)
         self.retries, self.backoff, self.want_logprobs = int(retries), float(backoff), bool(logprobs)
@@ -259,8 +295,8 @@ class OpenAIPolicy(Policy):
         """One HTTP call for ``count`` choices of ``req`` (the ``offset``-th sample onwards)."""
         p = req.params
         if p.max_tokens <= 0:
-            return [Generation("", [], [], len(req.prompt_ids or ()), 0, "length", False)
-                    for _ in range(count)]
+            return [stamp(Generation("", [], [], len(req.prompt_ids or ()), 0, "length", False),
+                          req.grammar, "partial") for _ in range(count)]
         body: dict[str, Any] = {"model": self.model, "max_tokens": p.max_tokens, "n": count,
                                 "temperature": p.temperature, "top_p": p.top_p}
         if p.stop:
@@ -280,8 +316,26 @@ class OpenAIPolicy(Policy):
                 body["logprobs"] = 0
         if self.send_ids:
             body["return_tokens_as_token_ids"] = True
+        if req.grammar is not None:
+            body.update(self._grammar_body(req.grammar))
         data = self._request("POST", f"/{self.endpoint.replace('chat', 'chat/completions')}", body)
         return self._parse(data, req, count)
+
+    def _grammar_body(self, grammar: Any) -> dict[str, Any]:
+        try:
+            text = validate(grammar).text
+        except GrammarError as exc:
+            raise PolicyError(f"openai: {exc}") from None
+        wrap = {"structured_outputs": lambda t: {"grammar": t}}
+        return {f: wrap.get(f, str)(text) for f in self.grammar_fields}
+
+    def _stamp(self, gen: Generation, grammar: Any) -> Generation:
+        """Check a returned text against the grammar it was asked under (see the module docstring)."""
+        stamp(gen, grammar)
+        if gen.constraint_check == "violated":
+            with self._lock:
+                self.grammar_violations += 1
+        return gen
 
     def _parse(self, data: Any, req: GenRequest, count: int) -> list[Generation]:
         try:
@@ -299,8 +353,8 @@ class OpenAIPolicy(Policy):
         for k, (text, ids, lps, n_tok, reason) in enumerate(rows):
             if n_tok is None:  # no per-token answer: share the usage out
                 n_tok = total // len(rows) + (k < total % len(rows))
-            out.append(Generation(_cut(text, req.params.stop), ids, lps, prompt_tokens, n_tok,
-                                  reason, False))
+            gen = Generation(_cut(text, req.params.stop), ids, lps, prompt_tokens, n_tok, reason, False)
+            out.append(self._stamp(gen, req.grammar) if req.grammar is not None else gen)
         return out
 
     def _choice(self, c: dict) -> tuple[str, list[int], list[float] | None, int | None, str]:

@@ -25,6 +25,11 @@ How it runs:
 * each request has its own seed (vLLM gives sample ``i`` of a request ``seed + i``), so a
   request's samples do not depend on what else is in the batch; a greedy request
   (temperature 0) runs once and its ``n`` copies are returned (vLLM refuses ``n > 1`` there);
+* a request's grammar (``GenRequest.grammar``, :mod:`omrl_search.constrain`) goes in vLLM's
+  structured-outputs parameters (``StructuredOutputsParams(grammar=...)``, or
+  ``GuidedDecodingParams`` before vLLM 0.10.2): vLLM masks the logits with xgrammar's bitmask
+  before its sampler, so the ``raw_logprobs`` recorded are those of the masked distribution
+  (as the ``hf`` backend records). Each text is also checked on the client;
 * generation stops at the tokenizer's EOS ids (``stop_token_ids``: EOS kept in ``token_ids``,
   cut from the text), at a stop string (text cut before it) or after ``max_tokens``.
 
@@ -51,11 +56,13 @@ Nothing heavy is imported at module level.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
 from typing import Any
 
+from ..constrain import GrammarError, stamp, validate
 from ..policy import Policy, PolicyError, from_path_spec, register_policy, request_prompt_ids
 from ..types import GenRequest, Generation
 from .hf import _first_line, _looks_local
@@ -119,6 +126,7 @@ class VLLMPolicy(Policy):
     """
 
     name = "vllm"
+    supports_grammar = True
 
     def __init__(self, model: str, dtype: str = "auto", max_model_len: int = 4096,
                  max_batch: int = 256, seed: int = 0, kv_cache_gib: float | None = None,
@@ -219,8 +227,21 @@ class VLLMPolicy(Policy):
         return request_prompt_ids("vllm", req, self.tokenizer, self._vocab, self.max_model_len,
                                   "max_model_len")
 
+    def _structured(self, grammar: Any) -> dict[str, Any]:
+        """vLLM's structured-outputs parameter for a grammar (``structured_outputs`` since
+        vLLM 0.10.2, ``guided_decoding`` before)."""
+        try:
+            text = validate(grammar).text
+        except GrammarError as exc:
+            raise PolicyError(f"vllm: {exc}") from None
+        sp = self._vllm.sampling_params
+        if hasattr(sp, "StructuredOutputsParams"):
+            return {"structured_outputs": sp.StructuredOutputsParams(grammar=text)}
+        return {"guided_decoding": sp.GuidedDecodingParams(grammar=text)}
+
     def _params(self, req: GenRequest, prompt_len: int) -> Any:
         p = req.params
+        extra = self._structured(req.grammar) if req.grammar is not None else {}
         return self._vllm.SamplingParams(
             n=p.n if p.temperature > 0 else 1,  # vLLM refuses n > 1 when greedy: copies below
             temperature=max(float(p.temperature), 0.0),
@@ -231,6 +252,7 @@ class VLLMPolicy(Policy):
             seed=p.seed,
             logprobs=0,  # the chosen token's logprob only
             skip_special_tokens=False,
+            **extra,
         )
 
     def generate(self, requests: list[GenRequest]) -> list[list[Generation]]:
@@ -263,6 +285,8 @@ class VLLMPolicy(Policy):
         """A finished ``RequestOutput`` as the request's ``n`` generations (a greedy request ran
         once: its copies)."""
         gens = [self._generation(o, prompt_len) for o in sorted(res.outputs, key=lambda o: o.index)]
+        if req.grammar is not None:
+            gens = [stamp(g, req.grammar) for g in gens]
         n = req.params.n
         return gens if len(gens) == n else [_copy(gens[k % len(gens)]) for k in range(n)]
 
@@ -333,12 +357,13 @@ class VLLMPolicy(Policy):
 
 def _empty(req: GenRequest, prompt_len: int) -> list[Generation]:
     """The answer to a request for no tokens."""
-    return [Generation("", [], [], prompt_len, 0, "length", False) for _ in range(req.params.n)]
+    return [stamp(Generation("", [], [], prompt_len, 0, "length", False), req.grammar, "partial")
+            for _ in range(req.params.n)]
 
 
 def _copy(g: Generation) -> Generation:
-    return Generation(g.text, list(g.token_ids), None if g.logprobs is None else list(g.logprobs),
-                      g.prompt_tokens, g.completion_tokens, g.finish_reason, g.ended_with_eos)
+    return dataclasses.replace(g, token_ids=list(g.token_ids),
+                               logprobs=None if g.logprobs is None else list(g.logprobs))
 
 
 @register_policy("vllm")
