@@ -199,31 +199,50 @@ def _userns_filter() -> bytes:
 
 
 _home_lock = threading.Lock()
-_home: tuple[int, str] | None = None  # (pid that made it, path)
+_home: str | None = None
 
 
 def _home_parent() -> str:
     """A host dir holding an empty ``agent`` dir, both stamped, mounted read-only as ``/home``:
-    so the home's parent shows :data:`STAMP`, not the time bwrap made it. One per process."""
+    so the home's parent shows :data:`STAMP`, not the time bwrap made it. One per user, shared
+    by every process and never removed (``$TMPDIR/omrl-home-UID``); a private one (removed at
+    exit) if that path is not a plain dir of this user's."""
     global _home
     with _home_lock:
-        if _home is None or _home[0] != os.getpid() or not os.path.isdir(
-                os.path.join(_home[1], os.path.basename(HOME))):
-            path = tempfile.mkdtemp(prefix="omrl-home-")
-            inner = os.path.join(path, os.path.basename(HOME))
-            os.mkdir(inner)
-            os.chmod(inner, 0o755)
-            os.chmod(path, 0o755)  # bwrap may run as nobody
-            for p in (inner, path):
-                os.utime(p, (STAMP, STAMP))
-            _home = (os.getpid(), path)
-            atexit.register(_remove_home, _home)
-        return _home[1]
+        if _home is not None and _home_ok(_home):
+            return _home
+        shared = os.path.join(tempfile.gettempdir(), f"omrl-home-{os.geteuid()}")
+        for path in (shared, None):
+            if path is None:
+                path = tempfile.mkdtemp(prefix="omrl-home-")
+                atexit.register(shutil.rmtree, path, True)
+            try:
+                inner = os.path.join(path, os.path.basename(HOME))
+                os.makedirs(inner, exist_ok=True)
+                if _home_ok(path, check=False) and os.listdir(path) == [os.path.basename(HOME)]:
+                    for p in (inner, path):  # bwrap may run as nobody: 0755
+                        os.chmod(p, 0o755)
+                        os.utime(p, (STAMP, STAMP))
+                    _home = path
+                    return path
+            except OSError:
+                pass
+        raise SandboxError(f"cannot make the sandbox's /home under {tempfile.gettempdir()}")
 
 
-def _remove_home(made: tuple[int, str]) -> None:
-    if made[0] == os.getpid():  # not from a forked child
-        shutil.rmtree(made[1], ignore_errors=True)
+def _home_ok(path: str, check: bool = True) -> bool:
+    """``path`` and its ``agent`` are real dirs of this user's (and, with ``check``, still
+    0755 and stamped)."""
+    try:
+        for p in (path, os.path.join(path, os.path.basename(HOME))):
+            st = os.lstat(p)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                return False
+            if check and (stat.S_IMODE(st.st_mode) != 0o755 or st.st_mtime != STAMP):
+                return False
+    except OSError:
+        return False
+    return True
 
 
 def _ulimits(limits: Limits) -> list[str]:

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -117,6 +120,35 @@ def test_a_restored_state_shows_the_same_listing(env):
     bash(env, "rm -rf d x && touch y")  # the home changes (and its time with it)
     env.restore(snap)
     assert bash(env, LISTING) == first
+
+
+@pytest.fixture
+def tmp_dir(monkeypatch):
+    """A temp dir that bwrap (run as nobody when the tests run as root) can traverse."""
+    path = tempfile.mkdtemp(prefix="omrl-test-")
+    os.chmod(path, 0o755)
+    monkeypatch.setattr(_sandbox.tempfile, "tempdir", path)
+    yield Path(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_home_parent_is_shared_and_a_squatted_path_is_not_used(monkeypatch, tmp_dir):
+    monkeypatch.setattr(_sandbox, "_home", None)
+    shared = tmp_dir / f"omrl-home-{os.geteuid()}"
+    assert _sandbox._home_parent() == str(shared)  # made, stamped, reused
+    assert os.stat(shared).st_mtime == STAMP and os.listdir(shared) == ["agent"]
+    os.utime(shared)  # someone touched it: stamped again on next use
+    assert _sandbox._home_parent() == str(shared) and os.stat(shared).st_mtime == STAMP
+    (shared / "planted").write_text("x")  # it would show in /home: a private one instead
+    monkeypatch.setattr(_sandbox, "_home", None)
+    private = _sandbox._home_parent()
+    assert private != str(shared) and os.path.basename(private).startswith("omrl-home-")
+    e = make_env("os", **FAST)
+    e.reset(TASK)
+    try:
+        assert f" {STAMP} ..\n" in bash(e, "ls -la --time-style=+%s")
+    finally:
+        e.close()
 
 
 # --- terminal control sequences --------------------------------------------------------------
