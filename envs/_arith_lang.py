@@ -18,7 +18,7 @@ from fractions import Fraction
 from omrl_search.constrain import choice, literal
 
 from ._text_env import listing, say
-from .arith import eval_expression, fmt, read_action, solve, to_text
+from .arith import eval_expression, fmt, read_action, solve
 
 _OP = 'op ::= "+" | "-" | "*" | "/"'
 
@@ -53,6 +53,16 @@ def grammar(numbers: tuple[Fraction, ...], original: tuple[int, ...]) -> str:
         choice("given", map(str, original)),
         *rules,
     ])
+
+
+def spell(tree) -> str:
+    """An expression tree as text, subtrees and negative numbers in parentheses:
+    ``32 - (-5)``, ``8 / (3 - (8/3))``."""
+    if not isinstance(tree, tuple):
+        return f"({fmt(tree)})" if tree < 0 else fmt(tree)
+    left, op, right = tree
+    wrap = lambda t: f"({spell(t)})" if isinstance(t, tuple) else spell(t)  # noqa: E731
+    return f"{wrap(left)} {op} {wrap(right)}"
 
 
 _REACHES = (
@@ -102,4 +112,4 @@ def explain(numbers: tuple[Fraction, ...], target: Fraction, action: str,
     plan = solve(rest, target)
     if plan is None:
         return say(rng, _OPEN, **fields)
-    return say(rng, _REACHES, plan=to_text(plan), **fields)
+    return say(rng, _REACHES, plan=spell(plan), **fields)

@@ -118,9 +118,18 @@ class TextEnv(Env):
 
 def say(rng: random.Random | None, templates: Sequence[str], **fields: Any) -> str:
     """One of ``templates`` (chosen by ``rng``; the first without one) filled with ``fields``,
-    as one line."""
+    as one line starting with a capital."""
     text = templates[rng.randrange(len(templates))] if rng is not None else templates[0]
-    return " ".join(text.format(**fields).split())
+    line = " ".join(text.format(**fields).split())
+    return line[:1].upper() + line[1:]
+
+
+_TRY = ("I try {action}.", "Let me try {action}.", "Next I try {action}.")
+
+
+def trying(action: str, rng: random.Random | None) -> str:
+    """The neutral line for an action an env has no reason for (not its expert's)."""
+    return say(rng, _TRY, action=" ".join(action.split())[:120])
 
 
 def listing(items: Sequence[Any]) -> str:

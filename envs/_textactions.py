@@ -21,7 +21,7 @@ from omrl_search.constrain import literal
 from omrl_search.env import stable_hash
 from omrl_search.types import StepResult, Task
 
-from ._text_env import TextEnv, episode_over, step_result
+from ._text_env import TextEnv, episode_over, say, step_result, trying
 
 _ACTION_RE = re.compile(r"^([a-z_]+)\s*(?::(.*)|\((.*)\)|[.!]?)$", re.IGNORECASE | re.DOTALL)
 
@@ -102,6 +102,9 @@ class ActionEnv(TextEnv):
     """
 
     verbs: ClassVar[dict[str, str]] = {}
+    #: verb -> wordings of why the expert takes it; fields ``{arg}`` (the argument text) and
+    #: ``{a0}``, ``{a1}``... (its comma-separated parts)
+    reasons: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     def step(self, action: str) -> StepResult:
         s = self._require()
@@ -135,6 +138,28 @@ class ActionEnv(TextEnv):
         alts = [f"{literal(v + ': ')} arg" if ":" in usage else literal(v)
                 for v, usage in self.verbs_now().items()]
         return f"action ::= {' | '.join(alts)}\narg ::= [^ \\n] [^\\n]*"
+
+    def explain(self, action: str, rng=None) -> str | None:
+        """The expert's action worded by its verb's :attr:`reasons`; another action, neutrally."""
+        s = self._require()
+        if s.done:
+            return None
+        try:
+            verb, arg = parse_action(action, self.verbs)
+        except ActionError:
+            return None
+        templates = self.reasons_for(verb, arg)
+        if action.strip() != self.expert_action() or not templates:
+            return trying(action, rng)
+        parts = {f"a{i}": p.strip() for i, p in enumerate(arg.split(","))}
+        try:
+            return say(rng, templates, arg=arg, **parts)
+        except (KeyError, IndexError):  # an argument with fewer parts than the wording names
+            return trying(action, rng)
+
+    def reasons_for(self, verb: str, arg: str) -> tuple[str, ...]:
+        """The wordings for ``verb`` (an env may pick by the argument); empty when none."""
+        return self.reasons.get(verb, ())
 
     def observe(self) -> str:
         s = self._require()

@@ -29,7 +29,7 @@ from omrl_search.types import StepResult, Task
 
 from . import _babyai_text as text
 from ._optional import require
-from ._text_env import Episode, TextEnv, episode_over, step_result, take_split
+from ._text_env import Episode, TextEnv, episode_over, say, step_result, take_split, trying
 
 LEVELS = {  # gymnasium id -> step limit (text actions); the bot needs at most 14-25 primitive steps
     "BabyAI-GoToRedBallNoDists-v0": 20,
@@ -41,6 +41,8 @@ LEVELS = {  # gymnasium id -> step limit (text actions); the bot needs at most 1
 }
 SPLIT_ROUNDS = {"train": 50, "test": 10}  # seeds per level: 300 train and 60 test tasks
 SPLIT_SEED = {"train": 0, "test": 1_000_000}  # first seed of each split (ranges never overlap)
+_REASONS = ("The mission is to {mission}; next I {action}.", "To {mission}, I {action} now.",
+            "{action} is the next step toward the mission: {mission}.")
 _NOTES = {text.LEFT: "You turn left.", text.RIGHT: "You turn right."}
 
 
@@ -108,6 +110,15 @@ class BabyAIEnv(NativeSnapshots, TextEnv):
     def expert_action(self) -> str | None:
         turn = self._require()
         return None if turn.done else turn.expert
+
+    def explain(self, action: str, rng=None) -> str | None:
+        """The mission and the bot's next step toward it (another action: a neutral line)."""
+        turn = self._require()
+        if turn.done:
+            return None
+        if text.parse(action) != turn.expert:
+            return trying(action, rng)
+        return say(rng, _REASONS, mission=self._sim[0].mission, action=turn.expert)
 
     def state_key(self) -> str:
         if self._key is None:

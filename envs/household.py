@@ -29,7 +29,7 @@ from omrl_search.types import StepResult, Task
 
 from . import _textworld_games as tw
 from ._optional import check, require
-from ._text_env import Episode, TextEnv, episode_over, step_result, take_split
+from ._text_env import Episode, TextEnv, episode_over, say, step_result, take_split, trying
 
 SPLIT_ROUNDS = {"train": 40, "test": 2}  # seeds per (quest, level): 400 train and 20 test games
 SPLIT_SEED = {"train": 0, "test": 100_000}  # first seed of each split (ranges never overlap)
@@ -44,6 +44,11 @@ _INSTRUCTIONS = {
                 "the recipe in the cookbook, gather and prepare its ingredients as it says, then "
                 "prepare the meal and eat it. Eating or spoiling an ingredient loses the game."),
 }
+
+
+_REASONS = ("{left} command{s} from winning; the next one is to {action}.",
+            "The quest goes on with: {action} ({left} step{s} to go).",
+            "Next on the way to winning: {action}.")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -111,6 +116,17 @@ class HouseholdEnv(NativeSnapshots, TextEnv):
     def expert_action(self) -> str | None:
         turn = self._require()
         return None if turn.done or not turn.policy else turn.policy[0]
+
+    def explain(self, action: str, rng=None) -> str | None:
+        """The walkthrough's next command and how much of it is left (another action: a
+        neutral line)."""
+        turn = self._require()
+        if turn.done:
+            return None
+        if not turn.policy or _normalize(action) != turn.policy[0]:
+            return trying(action, rng)
+        left = len(turn.policy)
+        return say(rng, _REASONS, action=turn.policy[0], left=left, s="" if left == 1 else "s")
 
     def heuristic(self) -> float:
         """Progress: the game's score over its maximum (cooking scores each recipe step)."""

@@ -190,6 +190,18 @@ class KgqaEnv(ValueSnapshots, ActionEnv):
     examples = "Think: First I find who founded Amber Labs.\nAct: neighbors: Amber Labs, founded_by"
     verbs = {"relations": "relations: ENTITY", "neighbors": "neighbors: ENTITY, RELATION",
              "intersect": "intersect: #A, #B", "count": "count: #N", "answer": "answer: #N"}
+    reasons = {
+        "relations": ("I list the relations of {a0} to see which one leads toward the answer.",
+                      "First I see which relations {a0} has."),
+        "neighbors": ("Following {a1} from {a0} gives the entities the question is about next.",
+                      "The question goes through the {a1} of {a0}, so I follow that relation.",
+                      "I need the {a1} of {a0}."),
+        "intersect": ("The answer must be in both {a0} and {a1}, so I keep the entities they share.",
+                      "Only the entities in both {a0} and {a1} fit every condition: I intersect them."),
+        "count": ("The question asks how many, so I count the entities in {a0}.",
+                  "Counting {a0} gives the number asked for."),
+        "answer": ("{arg} is what the question asks for, so I answer with it.", "That is the answer: {arg}."),
+    }
     max_steps = 12
 
     def __init__(self) -> None:

@@ -24,12 +24,18 @@ from omrl_search.types import StepResult, Task
 
 from . import _os_tasks
 from ._sandbox import HOME, Entry, Limits, Tree, WorkDir, tree_digest
-from ._text_env import Episode, TextEnv, episode_over, step_result
+from ._text_env import Episode, TextEnv, episode_over, say, step_result, trying
 
 _BASH = re.compile(r"^(?:bash|sh|shell|run)[ \t]*:[ \t]*(?P<cmd>.*)$", re.S | re.I)
 _FENCE = re.compile(r"^```(?:bash|sh|shell)?[ \t]*\n(?P<cmd>.*?)\n?```$", re.S | re.I)
 _UNFENCED = re.compile(r"^(?:bash|sh|shell)[ \t]*\n(?P<cmd>.+)$", re.S | re.I)  # a fence minus ```
 _ANSWER = re.compile(r"^answer[ \t]*:(?P<text>.*)$", re.S | re.I)
+_RUN = ("Running `{cmd}` in the work dir does what the task needs next.",
+        "I run `{cmd}` for the next part of the task.", "The command `{cmd}` gets me what the task asks.")
+_RUN_LONG = ("This command does what the task needs next in the work dir.",
+             "I run one command for the next part of the task.")
+_SUBMIT = ("The files are now as the task asks, so I submit them.", "The work dir is as required: done.")
+_ANSWERED = ("The command's output gives the answer: {text}.", "From the output, the answer is {text}.")
 MAX_COMMAND = 8000
 MAX_FILES_IN_TASK = 200
 
@@ -132,6 +138,20 @@ class OsEnv(NativeSnapshots, TextEnv):
         verdict = (f"The files are not as required ({'; '.join(problems[:3])})." if problems
                    else "The files are as required: solved!")
         return not problems, answer, f"{verdict} The episode is over."
+
+    def explain(self, action: str, rng=None) -> str | None:
+        """Why the expert's command or answer (another action: a neutral line)."""
+        s = self._require()
+        kind, arg = parse_action(action)
+        if s.done or kind == "invalid":
+            return None
+        if action.strip() != self.expert_action():
+            return trying(action, rng)
+        if kind == "answer" and "answer" not in s.task.data:
+            return say(rng, _SUBMIT)
+        if kind == "answer":
+            return say(rng, _ANSWERED, text=arg)
+        return say(rng, _RUN if len(arg) <= 80 else _RUN_LONG, cmd=arg)
 
     def action_grammar(self) -> str | None:
         """One line: ``bash: COMMAND`` or ``answer: TEXT`` (the fenced multi-line form the env

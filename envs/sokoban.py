@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 from omrl_search.env import ValueSnapshots, register_env, stable_hash
 from omrl_search.types import StepResult, Task
 
-from ._text_env import TextEnv, episode_over, step_result
+from ._text_env import TextEnv, episode_over, say, step_result
 
 DIRS = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
 LEGEND = "Legend: # wall, _ floor, O target, X box, √ box on target, P player, S player on target."
@@ -226,6 +226,67 @@ def _generate(rng: random.Random, split: str):
     return layout, player, boxes, len(path)
 
 
+def plan(layout, player: Pos, boxes: tuple[Pos, ...]) -> list[str] | None:
+    """A shortest solution from a position: the expert's cached moves when it has been there,
+    else a fresh search (None when unsolvable or too large)."""
+    path, state = [], (player, boxes)
+    while (layout, *state) in _NEXT and _NEXT[(layout, *state)] is not None:
+        path.append(_NEXT[(layout, *state)])
+        state = _move(layout, *state, DIRS[path[-1]])[:2]
+        if len(path) > 400:
+            break
+    targets = {(r, c) for r, row in enumerate(layout) for c, ch in enumerate(row) if ch == "O"}
+    if set(state[1]) <= targets:
+        return path
+    try:
+        return solve(layout, player, boxes, cap=200_000)
+    except ValueError:
+        return None
+
+
+def _cell(p: Pos) -> str:
+    return f"row {p[0]}, column {p[1]}"
+
+
+_PUSH_HOME = ("Pushing {dir} puts the box at {box} onto the target at {target}.",
+              "The box at {box} is one push from the target at {target}, so I push it {dir}.",
+              "I push the box at {box} {dir}, onto its target at {target}.")
+_PUSH_ON = ("The box at {box} belongs on the target at {target}; pushing it {dir} moves it to {to}.",
+            "I push the box at {box} {dir} to {to}, on its way to the target at {target}.",
+            "Pushing {dir} takes the box at {box} to {to}; its target is at {target}.")
+_WALK = ("I walk {dir} to get behind the box at {box}, to push it {push} toward the target at {target}.",
+         "To push the box at {box} {push} (its target is at {target}), I first step {dir}.",
+         "Moving {dir} brings me round to the box at {box}, which I will push {push}; it goes on "
+         "the target at {target}.")
+_STUCK = ("Moving {dir} changes nothing here.", "A move {dir} is blocked.")
+
+
+def explain_move(s: SokobanState, name: str, rng=None) -> str:
+    """The reason for moving ``name`` from ``s``: the first push of the move followed by a
+    shortest solution, the box it moves and the target that box ends on (rows and columns
+    counted from 0 at the top-left corner of the grid)."""
+    player, boxes, what = _move(s.layout, s.player, s.boxes, DIRS[name])
+    if what in ("wall", "blocked"):
+        return say(rng, _STUCK, dir=name)
+    moves = [name] + (plan(s.layout, player, boxes) or [])
+    state, push, track = (s.player, s.boxes), None, None
+    for k, move in enumerate(moves):  # find the first push; follow that box to where it ends
+        p, bx, w = _move(s.layout, *state, DIRS[move])
+        if w == "pushed" and push is None:
+            push, track = (k, move, p), (p[0] + DIRS[move][0], p[1] + DIRS[move][1])
+        elif w == "pushed" and p == track:
+            track = (p[0] + DIRS[move][0], p[1] + DIRS[move][1])
+        state = (p, bx)
+    if push is None:  # no solution after this move: say only what it does
+        return f"I move {name}." if what == "moved" else f"I push the box {name}."
+    k, move, box = push
+    fields = dict(dir=name, push=move, box=_cell(box), target=_cell(track))
+    if k > 0:
+        return say(rng, _WALK, **fields)
+    to = (box[0] + DIRS[name][0], box[1] + DIRS[name][1])
+    return say(rng, _PUSH_HOME if to == track else _PUSH_ON, to=_cell(to), **fields)
+
+
 def room_split(layout, player: Pos, boxes) -> str:
     key = ("sokoban", layout, player, tuple(boxes))
     return "test" if int(stable_hash(key), 16) % 100 < TEST_PERCENT else "train"
@@ -332,6 +393,14 @@ class SokobanEnv(ValueSnapshots, TextEnv):
             if not path:
                 _NEXT[key] = None
         return _NEXT[key]
+
+    def explain(self, action: str, rng=None) -> str | None:
+        """Which box the move serves and where that box goes (see :func:`explain_move`)."""
+        s = self._require()
+        if s.done:
+            return None
+        m = _ACTION_RE.match(" ".join(action.lower().strip().strip("`'\"").rstrip(".!").split()))
+        return None if m is None else explain_move(s, m.group(1), rng)
 
     # --- task sets -------------------------------------------------------------------------
     @staticmethod

@@ -299,6 +299,23 @@ class SqlEnv(NativeSnapshots, ActionEnv):
         s = self.state
         return tuple(s.db[s.spec.tables.index(t)] for t in s.spec.affected)
 
+    reasons = {
+        "schema": ("I look at the tables first.", "First I see which tables there are."),
+        "answer": ("The query result gives the answer: {arg}.", "The rows I saw answer the question: {arg}."),
+        "commit": ("The tables now hold the requested change, so I commit.", "The change is made; I commit it."),
+    }
+    _QUERY = ("This query computes what the question asks; I run it to see the result.",
+              "I query the tables the question is about to get its answer.",
+              "Running this query shows the rows the answer comes from.")
+    _WRITE = ("This statement makes the change the task asks for.",
+              "The task asks for a change to the data, and this statement makes it.",
+              "I change the tables as the task says with this statement.")
+
+    def reasons_for(self, verb: str, arg: str) -> tuple[str, ...]:
+        if verb != "sql":
+            return super().reasons_for(verb, arg)
+        return self._QUERY if re.match(r"(?is)\s*(select|with)\b", arg) else self._WRITE
+
     def verbs_now(self) -> dict[str, str]:
         """A question is answered, a change committed: the other verb only gets refused."""
         skip = "commit" if self._require().spec.kind == "read" else "answer"

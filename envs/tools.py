@@ -128,6 +128,17 @@ class ToolsEnv(ValueSnapshots, ActionEnv):
     verbs = {"calendar": "calendar: DATE", "book": "book: DATE, HH:MM, MINUTES, TITLE", "cancel": "cancel: ID",
              "expense": "expense: AMOUNT CURRENCY, NOTE", "calc": "calc: EXPRESSION",
              "convert": "convert: VALUE UNIT to UNIT", "lookup": "lookup: TABLE, KEY", "finish": "finish"}
+    reasons = {
+        "calendar": ("I check the calendar on {a0} first.", "I look at {a0} in the calendar before changing anything."),
+        "book": ("The task asks for this meeting, so I book {a3} on {a0} at {a1} for {a2} minutes.",
+                 "I book {a3} on {a0} at {a1}, as the task asks."),
+        "cancel": ("Entry {a0} should not be there, so I cancel it.", "I cancel {a0}, as the task asks."),
+        "expense": ("The task asks to record this expense: {arg}.", "I record the expense of {a0}."),
+        "calc": ("I need {arg} computed.", "I work out {arg}."),
+        "convert": ("The units differ, so I convert {arg}.", "I convert {arg}, the unit I need."),
+        "lookup": ("I look up {arg} for the facts the task needs.", "The task depends on {arg}, so I look it up."),
+        "finish": ("Everything the task asks is done, so I finish.", "The task is complete, so I finish."),
+    }
     max_steps = 16
 
     def __init__(self) -> None:

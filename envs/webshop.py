@@ -29,7 +29,7 @@ from omrl_search.types import StepResult, Task
 
 from . import _catalogue as shop
 from ._catalogue import Product, fmt_price
-from ._text_env import TextEnv, episode_over, step_result
+from ._text_env import TextEnv, episode_over, say, step_result, trying
 
 PER_PAGE = 10
 SPLIT_SIZES = {"train": 2000, "test": 50}
@@ -41,6 +41,23 @@ _ACTION_RE = re.compile(r"^(search|click)\s*\[(.*)\]$", re.IGNORECASE | re.DOTAL
 _OPTION_PHRASES = {"color": "in {} color", "size": "in size {}", "scent": "with {} scent",
                    "flavor": "in {} flavor", "capacity": "with {} capacity", "pack": "as a {}",
                    "count": "in a {} box", "power": "with {} output", "thickness": "{} thick"}
+
+
+_REASONS = {  # why the expert's action, by what it does
+    "search": ("I search for the {ptype} the instruction describes: {query}.",
+               "The instruction asks for {ptype}, so I search for {query}."),
+    "open": ("{pid} looks like what the instruction asks for, so I open it.",
+             "Product {pid} meets the goal; I look at it."),
+    "page": ("A product that meets the goal is on another page of results.",
+             "The matching product is on another page, so I go there."),
+    "back": ("No result here meets the goal, so I go back to the search.",
+             "Nothing on these results fits, so I search again."),
+    "unfit": ("This product does not meet the goal, so I go back to the results.",
+              "Not the right product; back to the results."),
+    "option": ("The instruction asks for {kind} {value}, so I choose it.", "I pick {value} for {kind}, as asked."),
+    "buy": ("This product has what the instruction asks, options included, so I buy it.",
+            "Everything matches the goal: buy now."),
+}
 
 
 class Goal(NamedTuple):
@@ -299,6 +316,24 @@ class WebShopEnv(ValueSnapshots, TextEnv):
         if s.page == "search":
             return list(dict.fromkeys((f"search[{expert_query(s.goal)}]", f"search[{s.goal.ptype}]")))
         return [f"click[{c}]" for c in self.clickables()]
+
+    def explain(self, action: str, rng=None) -> str | None:
+        """Why the expert's search or click on this page (another action: a neutral line)."""
+        s = self._require()
+        if s.done:
+            return None
+        expert = self.expert_action()
+        if " ".join(action.strip().strip("`'\"").split()).lower() != expert.lower():
+            return trying(action, rng)
+        thing = expert[expert.index("[") + 1:-1]
+        if s.page == "search":
+            key = "search"
+        elif thing in (BACK, PREV, NEXT, BUY):
+            key = {BACK: "back", NEXT: "page", BUY: "buy"}.get(thing) or ("page" if s.page == "results" else "unfit")
+        else:
+            key = "open" if s.page == "results" else "option"
+        kind = next((k for k, v in s.goal.options if v == thing), "")
+        return say(rng, _REASONS[key], query=thing, pid=thing, value=thing, kind=kind, ptype=s.goal.ptype)
 
     def expert_action(self) -> str | None:
         """Search with a good query, page to the nearest product meeting the goal, choose the

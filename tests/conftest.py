@@ -2,6 +2,8 @@
 collect without torch/transformers."""
 from __future__ import annotations
 
+import random
+
 import pytest
 
 CHATML = (
@@ -73,12 +75,13 @@ def _agent_corpus():
     from omrl_search.agent import ReActFormat
     from omrl_search.env import make_env
 
-    fmt, env = ReActFormat(), make_env("game24")
+    fmt, env, rng = ReActFormat(), make_env("game24"), random.Random(0)
     out = []
     for task in om.load_tasks("game24", "train", limit=40):
         obs = env.reset(task)
         out += [m["content"] for m in fmt.first_messages(env, task, obs)]
-        out.append(f"Think: Following the plan.\nAct: {env.expert_action()}")
+        action = env.expert_action()  # the oracle's demonstration: the reason, then the move
+        out.append(f"Think: {env.explain(action, rng)}\nAct: {action}")
     return out * 3
 
 

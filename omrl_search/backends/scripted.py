@@ -1,7 +1,9 @@
 """Scripted policies: deterministic stand-ins for an LM, for tests and engine benchmarks.
 
 * ``scripted:oracle:p=0.3`` follows the env's expert solver and, with probability ``p``, takes a
-  different valid action instead (or writes a malformed completion when ``malformed=q``);
+  different valid action instead (or writes a malformed completion when ``malformed=q``); its
+  thought for the expert's action is the env's ``explain`` of it (why the move), when the env
+  has one, and "Trying another step." for the other actions;
 * ``scripted:random`` picks uniformly among the valid actions.
 
 They read the state from the request's snapshot, restored into their own env instance, so they
@@ -94,7 +96,16 @@ class OraclePolicy(ScriptedPolicy):
             action = others[rng.randrange(len(others))]
             return self.completion("Trying another step.", action), self.p / len(others)
         prob = (1 - self.p) if others else 1.0
-        return self.completion("Following the plan.", expert), prob
+        return self.completion(self.reason(env, expert, rng), expert), prob
+
+    @staticmethod
+    def reason(env: Env, action: str, rng: random.Random) -> str:
+        """The expert's thought: the env's ``explain(action, rng)`` when it has one (the
+        reasoning the move follows from, worded by a generator seeded from ``rng``'s state so
+        the policy's own draws stay as they were), else "Following the plan."."""
+        explain = getattr(env, "explain", None) or getattr(getattr(env, "inner", None), "explain", None)
+        line = explain(action, random.Random(hash(rng.getstate()[1]))) if explain else None
+        return " ".join(line.split()) if line else "Following the plan."
 
 
 class RandomPolicy(ScriptedPolicy):

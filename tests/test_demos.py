@@ -1,0 +1,151 @@
+"""Demonstrations that teach: ``env.explain(action, rng)`` and the oracle's ``Think:`` line.
+
+The expert's thought is the reasoning its move follows from, in the state before the move
+(Game24 / Countdown: the arithmetic, what is left and how the target is still reached; Sokoban:
+which box goes to which target), one line, worded by one of a few templates the caller's rng
+picks (deterministic for a seed). The scripted oracle writes it for the expert's action and
+"Trying another step." for its deviations; oracle demos survive an OpenManus-RL round trip.
+"""
+from __future__ import annotations
+
+import json
+import random
+import re
+from fractions import Fraction
+
+import pytest
+
+import omrl_search as om
+from envs._arith_lang import spell
+from envs.arith import fmt, read_action, solve
+from omrl_search.backends.scripted import OraclePolicy
+from omrl_search.env import env_class, list_envs, make_env
+from omrl_search.exports import openmanus_rows, sft_rows
+
+
+def _rollout(name: str, task, seed: int = 0):
+    """``(env state before, expert action, explanation)`` along the expert's path."""
+    env, rng, out = make_env(name), random.Random(seed), []
+    env.reset(task)
+    while (action := env.expert_action()) is not None:
+        out.append((env.state, action, env.explain(action, rng)))
+        env.step(action)
+    env.close()
+    return out
+
+
+def _value(expression: str) -> Fraction:
+    """An expression of the thoughts (exact; negative numbers in parentheses allowed)."""
+    assert re.fullmatch(r"[-\d/()+* ]+", expression), expression
+    return eval(re.sub(r"(\d+)", r"Fraction(\1)", expression))  # noqa: S307 - digits and operators only
+
+
+def _one_line(text) -> bool:
+    return isinstance(text, str) and text.strip() == text and text and "\n" not in text
+
+
+@pytest.mark.parametrize("name", ["game24", "countdown"])
+def test_arith_thoughts_say_the_arithmetic_and_the_rest(name):
+    wordings = set()
+    for i, task in enumerate(om.load_tasks(name, "test", limit=15)):
+        for state, action, why in _rollout(name, task, seed=i):
+            assert _one_line(why), why
+            _, a, op, b, value, rest = read_action(action, state.numbers)
+            assert all(fmt(x) in why for x in (a, b, value, state.target)), (action, why)
+            if len(rest) > 1:  # what is left, and a way from there to the target
+                plan = spell(solve(rest, state.target))
+                assert plan in why and _value(plan) == state.target, why
+                assert all(fmt(x) in why for x in rest), why
+            else:
+                assert value == state.target
+            wordings.add(re.sub(r"[-\d/()+* ]+", " ", why)[:25])
+    assert len(wordings) >= 3  # the wording varies
+
+
+def test_game24_thought_example():
+    env = make_env("game24")
+    env.reset(env.task_from_dict({"numbers": [1, 1, 3, 8]}))
+    assert env.explain("8 * 3") == "8 * 3 = 24, leaving 1, 1 and 24; (1 + 24) - 1 = 24 finishes it."
+    assert env.explain("1 + 1") == "1 + 1 = 2, leaving 2, 3 and 8; I still need 24 from them."
+    env.step("1 * 1")
+    env.step("8 * 3")
+    assert env.explain("24 * 1") == "24 * 1 = 24, the target, using the last two numbers."
+    assert env.explain("24 + 1") == "24 + 1 = 25, the last number, though the target is 24."
+    assert env.explain("gibberish") is None and env.explain("5 + 5") is None  # refused moves
+
+
+def test_sokoban_thoughts_name_a_box_and_its_target():
+    for task in om.load_tasks("sokoban", "test", limit=15):
+        for state, action, why in _rollout("sokoban", task):
+            assert _one_line(why), why
+            cell = lambda what: tuple(map(int, re.search(what + r" (?:is )?at row (\d+), column (\d+)", why).groups()))  # noqa: E731
+            box, target = cell("box"), cell("target")
+            assert box in state.boxes, (why, state.boxes)
+            assert state.layout[target[0]][target[1]] == "O", why
+            assert action in why
+
+
+@pytest.mark.parametrize("name", ["game24", "sokoban", "countdown"])
+def test_wording_is_deterministic_for_a_seed(name):
+    task = om.load_tasks(name, "test", limit=3)[2]
+    assert _rollout(name, task, seed=5) == _rollout(name, task, seed=5)
+    texts = {tuple(w for _, _, w in _rollout(name, task, seed=s)) for s in range(8)}
+    assert len(texts) > 1
+
+
+@pytest.mark.parametrize("name", [n for n in list_envs() if n != "sciworld"])
+def test_every_expert_step_has_a_one_line_reason(name):
+    env = make_env(name)
+    if not hasattr(env, "explain"):
+        pytest.skip(f"env {name!r} has no explain")
+    rng = random.Random(1)
+    for task in env_class(name).tasks("test", limit=2):
+        env.reset(task)
+        for _ in range(40):
+            action = env.expert_action()
+            if action is None:
+                break
+            why = env.explain(action, rng)
+            assert _one_line(why), (action, why)
+            assert not why.startswith(("I try", "Let me try", "Next I try")), (action, why)
+            env.step(action)
+    env.close()
+
+
+# --- the oracle's Think: line -------------------------------------------------------------------
+def _thoughts(results):
+    return [n.step.thought for r in results for n in r.tree.nodes if n.step is not None]
+
+
+def test_oracle_thinks_the_env_explanation():
+    tasks = om.load_tasks("game24", "test", limit=6)
+    results = om.search_many(tasks, strategy="react", policy="scripted:oracle:p=0")
+    thoughts = _thoughts(results)
+    assert all(r.success for r in results)
+    assert "Following the plan." not in thoughts and len(set(thoughts)) > len(thoughts) // 2
+    assert all("24" in t for t in thoughts)
+    again = om.search_many(tasks, strategy="react", policy="scripted:oracle:p=0")
+    assert _thoughts(again) == thoughts  # seeded: the same words
+    mixed = om.search_many(tasks, strategy="best_of_n:n=4", policy="scripted:oracle:p=0.5")
+    assert "Trying another step." in _thoughts(mixed)
+
+
+def test_oracle_falls_back_without_explain():
+    class Plain:  # an env without explain (nor an inner one)
+        pass
+
+    assert OraclePolicy.reason(Plain(), "up", random.Random(0)) == "Following the plan."
+
+
+def test_oracle_demos_round_trip_through_openmanus(tmp_path):
+    results = om.search_many(om.load_tasks("countdown", "test", limit=4), policy="scripted:oracle:p=0")
+    rows = sft_rows(results)
+    assert len(rows) == 4
+    src = tmp_path / "om.jsonl"
+    src.write_text("".join(json.dumps({"id": r["task_id"], "conversations": r["messages"]}) + "\n"
+                           for r in rows))
+    back = openmanus_rows(src)
+    assert [b["messages"] for b in back] == [r["messages"] for r in rows]
+    replies = [m["content"] for b in back for m in b["messages"] if m["role"] == "assistant"]
+    assert all(re.match(r"Think: [^\n]*\d[^\n]*\nAct: \S", c) for c in replies)
+    assert not any("Following the plan." in c for c in replies)
