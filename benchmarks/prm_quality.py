@@ -4,8 +4,8 @@ strategies without a learned value, at equal token budgets.
 
 Workload. Policy: the scripted Game24 oracle that takes a random other valid move with
 probability ``p`` (default 0.5), with two changes that keep the comparison honest: every
-completion says the same neutral thought (the stock oracle writes "Following the plan." or
-"Trying another step.", which would hand the PRM its label), and every completion's logprob is
+completion says the same neutral thought (the stock oracle writes the env's explanation of the
+expert's move or "Trying another step.", which would hand the PRM its label), and every completion's logprob is
 uniform over the valid moves (the stock oracle's logprobs tell the expert move apart, which
 would make ``value=logprob`` an oracle). Trees: MCTS (rollout values, so nodes carry Q-values)
 and best-of-N on ``--train-tasks`` train-split and ``--test-tasks`` test-split puzzles (Game24's
