@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover
 class EnvDriver:
     """The env of one search, stepping and restoring it for the tree's nodes."""
 
-    __slots__ = ("env", "tree", "budget", "faults", "max_depth", "at", "_spaces")
+    __slots__ = ("env", "tree", "budget", "faults", "max_depth", "at", "_spaces", "_lists")
 
     def __init__(self, env: "Env", tree: SearchTree, budget: "Budget", faults: list[str],
                  max_depth: int):
@@ -39,6 +39,7 @@ class EnvDriver:
         self.max_depth = max_depth
         self.at: int | None = 0  # the node whose state the live env holds (None: unknown)
         self._spaces: dict[int, ActionSpace] = {}
+        self._lists: dict[int, list[str] | None] = {}
 
     @staticmethod
     def open(env_factory: Callable[[str], "Env"], task: Task) -> tuple["Env", str, Any]:
@@ -113,27 +114,41 @@ class EnvDriver:
         """The action language the env offers at ``node``'s state (restored first), asked once
         per node: ``("rules", text)`` when ``action_grammar()`` gives rules defining ``action``
         (a language wider than a list: Game24's ``answer EXPR``, SQL, shell), else
-        ``("list", actions)`` from ``valid_actions()`` (possibly empty), else ``("", None)``.
+        ``("list", actions)`` from :meth:`valid_actions` (possibly empty), else ``("", None)``.
         An env error is a fault and reads as ``("list", [])``."""
         space = self._spaces.get(node.id)
-        if space is not None:
-            return space
-        target = self.env.inner if isinstance(self.env, ReplayEnv) else self.env
-        try:
-            self._restore(node)
-            grammar_fn = getattr(target, "action_grammar", None)
-            rules = grammar_fn() if callable(grammar_fn) else None
+        if space is None:
+            grammar_fn = getattr(self._target, "action_grammar", None)
+            rules = self._ask(node, grammar_fn, None) if callable(grammar_fn) else None
             if rules:
                 space = ("rules", rules)
             else:
-                listed = target.valid_actions()
-                space = NO_ACTIONS if listed is None else ("list", [str(a) for a in listed])
+                listed = self.valid_actions(node)
+                space = NO_ACTIONS if listed is None else ("list", listed)
+            self._spaces[node.id] = space
+        return space
+
+    def valid_actions(self, node: Node) -> list[str] | None:
+        """``valid_actions()`` at ``node``'s state (restored first), asked once per node; None
+        when the env does not list them, ``[]`` after an env error (a fault)."""
+        if node.id not in self._lists:
+            listed = self._ask(node, self._target.valid_actions, [])
+            self._lists[node.id] = None if listed is None else [str(a) for a in listed]
+        return self._lists[node.id]
+
+    @property
+    def _target(self) -> Any:
+        """The env whose methods answer (a replay wrapper's inner env)."""
+        return self.env.inner if isinstance(self.env, ReplayEnv) else self.env
+
+    def _ask(self, node: Node, method: Callable[[], Any], on_error: Any) -> Any:
+        try:
+            self._restore(node)
+            return method()
         except Exception as exc:
             self.at = None
             self.faults.append(f"env actions: {type(exc).__name__}: {exc}")
-            space = ("list", [])
-        self._spaces[node.id] = space
-        return space
+            return on_error
 
     def close(self) -> None:
         self.env.close()

@@ -201,10 +201,10 @@ class SearchContext:
         return self.engine.apply(self, node, list(completions), dedup)
 
     def valid_actions(self, node: Node) -> list[str] | None:
-        """The env's valid actions at ``node``'s state (None when the env does not list them, or
-        gives a grammar instead), asked once per node."""
-        kind, space = self.envs.actions(node)
-        return list(space) if kind == "list" else None
+        """The env's ``valid_actions()`` at ``node``'s state (None when it does not list them),
+        asked once per node."""
+        listed = self.envs.valid_actions(node)
+        return None if listed is None else list(listed)
 
     @property
     def has_heuristic(self) -> bool:

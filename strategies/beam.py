@@ -4,13 +4,16 @@
     beam <- [root]
     while beam:
         candidates <- k sampled next steps of every beam          (one batched LM call)
+                      (propose=policy: for a beam whose env lists at most max_actions valid
+                       actions, the k the policy scores highest, all scored in one call)
         drop failed and duplicate states
         score candidates with the value source, reduced along the path by agg
         keep the `width` best; finished ones leave the beam, the others form the next beam
     answer <- the best-valued finished trajectory
 
 Knobs: ``width`` (beams kept), ``k`` (expansions per beam), ``value`` (auto | rm | heuristic |
-lm | logprob, see :mod:`strategies.values`), ``agg`` (last | min | mean | prod), ``temperature``.
+lm | logprob, see :mod:`strategies.values`), ``agg`` (last | min | mean | prod), ``temperature``,
+``propose`` (sample | policy) and ``max_actions``.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from omrl_search.reward import AGGREGATIONS
 from omrl_search.strategy import Strategy, register_strategy
 from omrl_search.tree import unique_states
 
-from .values import best_answer, check_value, keep_best, make_value
+from .values import best_answer, check_value, keep_best, make_value, scored_actions
 
 
 @register_strategy("beam")
@@ -32,25 +35,50 @@ class Beam(Strategy):
     value: Any = "auto"
     agg: str = "last"
     temperature: float | None = None
+    propose: str = "sample"
+    max_actions: int = 32
 
     def __post_init__(self) -> None:
         if self.width < 1 or self.k < 1:
             raise ValueError(f"width and k must be >= 1, got width={self.width}, k={self.k}")
+        if self.propose not in ("sample", "policy") or self.max_actions < 1:
+            raise ValueError(f"propose must be sample or policy and max_actions >= 1, got "
+                             f"propose={self.propose!r}, max_actions={self.max_actions}")
         if self.agg not in AGGREGATIONS:
             raise ValueError(f"agg must be one of {', '.join(AGGREGATIONS)}, got {self.agg!r}")
         check_value(self.value, ("auto", "rm", "heuristic", "lm", "logprob"))
 
     async def run(self, ctx) -> None:
+        if self.propose == "policy" and not ctx.can_score:
+            raise ValueError(f"beam:propose=policy needs a policy that scores completions "
+                             f"(Policy.score); {ctx.engine.policy.name!r} does not")
         value = make_value(self.value, ctx, self.agg)
         beam = [ctx.root]
         while beam:
-            kids = await ctx.expand(beam, self.k, temperature=self.temperature, dedup=True)
+            kids = await self._propose(ctx, beam)
             candidates = unique_states(c for cs in kids for c in cs)
             if not candidates:
                 return
             kept = keep_best(ctx, candidates, await value(ctx, candidates), self.width,
                              "below the beam")
             beam = [n for n in kept if ctx.expandable(n)]
+
+    async def _propose(self, ctx, beam):
+        """k children per beam: sampled, or (propose=policy) its k best-scored valid actions."""
+        if self.propose == "sample":
+            return await ctx.expand(beam, self.k, temperature=self.temperature, dedup=True)
+        scored = await scored_actions(ctx, beam, self.max_actions)
+        sample = [n for n in beam if n.id not in scored]
+        sampled = iter(await ctx.expand(sample, self.k, temperature=self.temperature, dedup=True)
+                       if sample else [])
+        kids = []
+        for n in beam:
+            if n.id in scored:
+                best = sorted(scored[n.id], key=lambda item: -item[1])[:self.k]
+                kids.append(ctx.apply(n, [text for text, _ in best]))
+            else:
+                kids.append(next(sampled))
+        return kids
 
     def select(self, ctx):
         return best_answer(ctx)

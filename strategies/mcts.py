@@ -8,14 +8,19 @@ al. 2025), batched over many leaves per round with virtual loss.
         adding a virtual loss along the path so the next descent goes elsewhere
         expand all selected leaves in ONE LM call, k children each
             (priors P: softmax of the children's logprobs, or uniform;
-             progressive widening lets a node grow to k * N^widen children)
+             progressive widening lets a node grow to k * N^widen children;
+             priors=policy: a leaf whose env lists at most max_actions valid actions gets a
+             child for every one, P the softmax of the policy's score of each, all leaves'
+             actions scored in one batched call instead of sampling k)
         evaluate: every new child (PRM, heuristic, LM, logprob), or the most probable new
             child by a rollout to a terminal, or (1 - lam) * PRM + lam * rollout
         remove the virtual losses and back the values up to the root
         (reflect) after a failed terminal, write a LATS-style reflection for later prompts
     answer: follow the most visited (final=visits) or best-valued (final=value) children
 
-Knobs: ``simulations``, ``leaves``, ``k``, ``c_puct``, ``priors`` (logprob | uniform), ``value``
+Knobs: ``simulations``, ``leaves``, ``k``, ``c_puct``, ``priors`` (logprob | uniform | policy),
+``max_actions`` (priors=policy: the most valid actions a leaf may list to be scored whole),
+``value``
 (auto | rm | rollout | mix | heuristic | lm | logprob; auto = rm with a reward model, else the
 env heuristic, else rollout), ``lam``, ``widen`` (0 = off), ``reflect``, ``final``,
 ``temperature``. Rollouts, and reflections on failures, consult the env's success check: such
@@ -31,7 +36,8 @@ from omrl_search.strategy import Strategy, register_strategy
 from omrl_search.tree import FAILED, PRUNED
 from omrl_search.types import DEFAULT_MAX_TOKENS
 
-from .values import Mix, RMValue, RolloutValue, check_value, history, make_value, step_logprob
+from .values import (Mix, RMValue, RolloutValue, check_value, history, make_value, scored_actions,
+                     softmax, step_logprob)
 
 REFLECT_PROMPT = (
     "You attempted this task and failed.\n\nTask: {task}\n\nYour steps:\n{history}\n\n"
@@ -48,6 +54,7 @@ class MCTS(Strategy):
     k: int = 3
     c_puct: float = 1.0
     priors: str = "logprob"
+    max_actions: int = 32
     value: Any = "auto"
     lam: float = 0.5
     widen: float = 0.0
@@ -58,8 +65,10 @@ class MCTS(Strategy):
     def __post_init__(self) -> None:
         if self.simulations < 1 or self.leaves < 1 or self.k < 1:
             raise ValueError("simulations, leaves and k must be >= 1")
-        if self.priors not in ("logprob", "uniform") or self.final not in ("visits", "value"):
-            raise ValueError("priors must be logprob|uniform and final visits|value")
+        if self.priors not in ("logprob", "uniform", "policy") or self.final not in ("visits", "value"):
+            raise ValueError("priors must be logprob|uniform|policy and final visits|value")
+        if self.max_actions < 1:
+            raise ValueError(f"max_actions must be >= 1, got {self.max_actions}")
         if not 0.0 <= self.lam <= 1.0 or self.widen < 0 or self.c_puct < 0:
             raise ValueError("need 0 <= lam <= 1, widen >= 0 and c_puct >= 0")
         check_value(self.value, ("auto", "rm", "rollout", "mix", "heuristic", "lm", "logprob"))
@@ -78,7 +87,10 @@ class MCTS(Strategy):
         value = self._value(ctx)
         one_child = isinstance(value, (RolloutValue, Mix))  # costly values: one child per leaf
         s = ctx.scratch
-        s.update(kids={}, closed=set(), dead=set(), sims=0, reflections=[])
+        if self.priors == "policy" and not ctx.can_score:
+            raise ValueError(f"mcts:priors=policy needs a policy that scores completions "
+                             f"(Policy.score); {ctx.engine.policy.name!r} does not")
+        s.update(kids={}, closed=set(), dead=set(), sims=0, reflections=[], prior={})
         while s["sims"] < self.simulations:
             batch, paths = self._select_batch(ctx)
             if not batch:
@@ -86,8 +98,7 @@ class MCTS(Strategy):
             try:
                 grow = [leaf for leaf in batch if not leaf.terminal]
                 notes = [self._note(ctx)] * len(grow) if s["reflections"] else None
-                kids = await ctx.expand(grow, self.k, temperature=self.temperature, dedup=True,
-                                        notes=notes)
+                kids = await self._grow(ctx, grow, notes)
             finally:
                 for path in paths:  # remove the virtual losses
                     for n in path:
@@ -109,6 +120,30 @@ class MCTS(Strategy):
                 self._backup(ctx, t, 0.0)
             if self.reflect:
                 await self._reflect(ctx, targets)
+
+    async def _grow(self, ctx, grow, notes):
+        """New children of each leaf: k samples, or (priors=policy) one per valid action of a
+        leaf that lists few, scored by the policy in one call."""
+        if self.priors != "policy":
+            return await ctx.expand(grow, self.k, temperature=self.temperature, dedup=True, notes=notes)
+        s = ctx.scratch
+        scored = await scored_actions(ctx, [n for n in grow if n.id not in s["closed"]], self.max_actions)
+        sample = [j for j, n in enumerate(grow) if n.id not in scored]
+        kids = [[] for _ in grow]
+        if sample:
+            got = await ctx.expand([grow[j] for j in sample], self.k, temperature=self.temperature,
+                                   dedup=True, notes=[notes[j] for j in sample] if notes else None)
+            for j, new in zip(sample, got):
+                kids[j] = new
+        for j, leaf in enumerate(grow):
+            if leaf.id in scored:
+                by_text = dict(scored[leaf.id])
+                new = ctx.apply(leaf, list(by_text))
+                for c in new:
+                    s["prior"][c.id] = by_text.get(c.step.completion, -math.inf)
+                s["closed"].add(leaf.id)  # every action is a child: nothing left to widen into
+                kids[j] = new
+        return kids
 
     # --- selection -----------------------------------------------------------------------------
     def _select_batch(self, ctx) -> tuple[list, list]:
@@ -178,11 +213,10 @@ class MCTS(Strategy):
             for c in kids:
                 c.prior = 1.0 / len(kids)
             return kids
-        lps = [step_logprob(c) for c in kids]
-        top = max(lps, default=0.0)
-        z = math.fsum(math.exp(lp - top) for lp in lps)
-        for c, lp in zip(kids, lps):
-            c.prior = math.exp(lp - top) / z
+        scored = ctx.scratch.get("prior", {})
+        lps = [scored[c.id] if c.id in scored else step_logprob(c) for c in kids]
+        for c, p in zip(kids, softmax(lps)):
+            c.prior = p
         return kids
 
     # --- backup and reflection -----------------------------------------------------------------

@@ -222,6 +222,37 @@ def check_value(spec: Any, allowed: Sequence[str] = SOURCES) -> None:
         raise ValueError(f"unknown value source {spec!r} (known: {', '.join(allowed)})")
 
 
+# --- policy priors over a few valid actions ---------------------------------------------------------
+async def scored_actions(ctx, nodes: Sequence[Node], max_actions: int
+                         ) -> dict[int, list[tuple[str, float]]]:
+    """For each of ``nodes`` whose env lists between 1 and ``max_actions`` valid actions:
+    every action written as a step in the agent format (an empty thought) and the policy's
+    logprob of it, all scored in one batched call (``ctx.score_actions``). Nodes not listed
+    (too many actions, or none listed) are left out: the caller samples those."""
+    fmt = ctx.prompts.format
+    todo = []
+    for n in nodes:
+        acts = ctx.valid_actions(n)
+        if acts and len(acts) <= max_actions:
+            todo.append((n, [fmt.render("", a) for a in dict.fromkeys(acts)]))
+    if not todo:
+        return {}
+    scores = await ctx.score_actions([n for n, _ in todo], [c for _, c in todo])
+    return {n.id: list(zip(comps, lps)) for (n, comps), lps in zip(todo, scores)}
+
+
+def softmax(logprobs: Sequence[float]) -> list[float]:
+    """Normalised probabilities of ``logprobs`` (uniform when all are ``-inf``)."""
+    if not logprobs:
+        return []
+    top = max(logprobs)
+    if top == -math.inf:
+        return [1.0 / len(logprobs)] * len(logprobs)
+    w = [math.exp(lp - top) for lp in logprobs]
+    z = math.fsum(w)
+    return [x / z for x in w]
+
+
 # --- frontier helpers --------------------------------------------------------------------------
 def remember(ctx, nodes: Sequence[Node], values: Sequence[float]) -> None:
     """Record the strategy's values of nodes (read by :func:`best_answer`)."""
