@@ -1,30 +1,36 @@
-"""Export search trees as training data: SFT rows, DPO pairs, GRPO groups (parquet).
+"""Export search trees as training data: SFT rows, DPO pairs, GRPO groups, PRM step labels (parquet).
 
 Every row keeps TRL's conversational columns (``messages``; ``prompt``/``chosen``/``rejected``;
 ``prompt``/``completion``) so HF ``datasets`` and TRL read it, plus our **segment** columns:
 lists of ``{role, token_ids, logprobs, trainable}`` holding the exact token ids the policy saw and
 produced (never re-rendered), from which trainers derive every loss mask. Each sequence is stored
-whole (shared prefix first, with ``trainable: false``), so a trainer needs nothing else.
+whole (shared prefix first, with ``trainable: false``). TRL 1.16 with each kind: docs/interop.md.
 
 * **SFT** (:func:`sft_rows`, rejection sampling): per task, the finished successful trajectories
-  ranked by reward (then fewer steps), deduplicated, the top ``top_k`` kept. Invalid steps on a
-  kept path carry no loss.
-* **DPO** (:func:`dpo_rows`): at every branch point, siblings expanded from the same prompt ids
-  whose values differ by at least ``margin`` become (chosen, rejected) pairs — the prefix is
-  identical by construction.
-* **GRPO** (:func:`grpo_rows`): siblings expanded from one snapshot form a group (any size), with
-  rewards (trajectory outcomes) or values and the behaviour policy's logprobs.
+  (fewer steps first), deduplicated, the top ``top_k`` kept. Invalid steps on a kept path carry
+  no loss (``trainable: false`` on the segment and on the assistant message).
+* **DPO** (:func:`dpo_rows`): siblings from the same prompt ids whose values differ by at least
+  ``margin`` become (chosen, rejected) pairs — the prefix is identical by construction.
+* **GRPO** (:func:`grpo_rows`): siblings expanded from one snapshot form a group (any size).
+* **PRM** (:func:`prm_rows`): per root-to-leaf path, each step's Monte-Carlo value, MCTS Q-value
+  and label (:mod:`reward_models.label_files`; ``omrl label`` adds fresh policy rollouts).
 * :func:`openmanus_rows` imports the OpenManus-RL SFT format
   (``{id, conversations: [{role, content}]}`` with ``Think:``/``Act:`` turns).
+
+Columns that could be misread mean one thing in every kind: ``reward`` is the **env's reward**
+summed over the steps the row trains on (one step: that step's reward); ``value`` /
+``chosen_value`` / ``soft_labels`` are **node values** (below); ``success`` is whether the row's
+last step **ended a solved episode**; ``terminal`` whether it ended the episode at all.
 
 A node's **value** (``value=``): ``mc`` — the mean outcome (1 success, 0 failure) of the finished
 trajectories below it (Monte-Carlo); ``search`` — the search's own statistic (``visits``,
 ``value_sum``: MCTS); ``score`` — the reward model's score. Nodes without one are skipped.
 
+Prompts are the engine's own (:func:`prompt_messages`), as is the learned PRM's text input.
 Trees from policies without a real tokenizer (scripted: byte ids) or demonstrations can be
-re-encoded with a real tokenizer (``tokenizer=``): the chat is rendered with the engine's own
-agent format and encoded turn by turn with :class:`~omrl_search.agent.TurnEncoder`, so ids match
-what the search would feed that model. Such rows have no logprobs (not behaviour-policy samples).
+re-encoded with a real tokenizer (``tokenizer=``): the chat is encoded turn by turn with
+:class:`~omrl_search.agent.TurnEncoder`, so ids match what the search would feed that model.
+Such rows have no logprobs (not behaviour-policy samples).
 
 This module imports no torch and never imports ``train``; pyarrow is imported when writing.
 """
@@ -37,11 +43,13 @@ from typing import Any, Iterable, Sequence
 
 from .agent import ReActFormat, TurnEncoder
 from .result import SearchResult, read_results
-from .tree import Node, SearchTree, Trajectory
-from .types import Segment
+from .tree import FAILED, Node, SearchTree, Trajectory
+from .types import Segment, Task
 
-KINDS = ("sft", "dpo", "grpo", "openmanus")
+KINDS = ("sft", "dpo", "grpo", "prm", "openmanus")
 VALUES = ("mc", "search", "score")
+SOFT = ("mc", "q", "mean")  # what a PRM row's soft_labels hold
+_FORMAT = ReActFormat()
 
 
 class ExportError(ValueError):
@@ -55,14 +63,14 @@ def seg_dict(seg: Segment, trainable: bool | None = None) -> dict[str, Any]:
             "trainable": seg.trainable if trainable is None else trainable}
 
 
-def segments_from_messages(messages: Sequence[dict[str, str]], encoder: TurnEncoder, *,
+def segments_from_messages(messages: Sequence[dict[str, Any]], encoder: TurnEncoder, *,
                            train_from: int = 0, trainable: Sequence[bool] | None = None
                            ) -> list[dict[str, Any]]:
     """Segments of a chat encoded turn by turn as the engine does: the messages before the first
     assistant turn as one prompt, each assistant turn as its text plus the end-of-turn token, each
     later user/tool turn as :meth:`TurnEncoder.observation_turn`. Assistant turns at message
-    index ``>= train_from`` are trainable (``trainable[i]`` for the i-th assistant turn can
-    switch one off). A trailing user turn (the last observation) is dropped. Raises ValueError
+    index ``>= train_from`` are trainable unless ``trainable[i]`` (for the i-th assistant turn)
+    or the message's own ``trainable`` key is false. A trailing user turn is dropped. Raises ValueError
     on a chat that has no assistant turn or two non-assistant turns in a row after it."""
     first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
     if first is None or first == 0:
@@ -78,7 +86,8 @@ def segments_from_messages(messages: Sequence[dict[str, str]], encoder: TurnEnco
         m = messages[i]
         if m["role"] == "assistant":
             last_ids = encoder.tok.encode(m["content"]) + close
-            train = i >= train_from and (trainable is None or bool(trainable[k]))
+            flag = trainable[k] if trainable is not None else m.get("trainable") is not False
+            train = i >= train_from and bool(flag)
             segs.append({"role": "assistant", "token_ids": last_ids, "logprobs": None,
                          "trainable": train})
             k += 1
@@ -136,24 +145,41 @@ def node_values(tree: SearchTree, value: str = "mc") -> list[float | None]:
     return [t / c if c else None for t, c in zip(total, count)]
 
 
+def prompt_messages(task: Task, observation: str, agent_format: ReActFormat | None = None
+                    ) -> list[dict[str, str]]:
+    """The system and first user turn the engine shows the policy for ``task`` (task, the env's
+    action help and example, ``observation``): the prompt of every export and of PRM labels, and
+    what the learned PRM reads in text mode (one function, so the three cannot drift apart).
+    An env not registered here gets no action help."""
+    from .env import env_class
+
+    try:
+        env: Any = env_class(task.env)  # action_help and examples are class attributes
+    except KeyError:
+        env = None
+    return (agent_format or _FORMAT).first_messages(env, task, observation)
+
+
 class _Renderer:
-    """Chat messages exactly as the engine prompts (agent format + env help), and segments:
-    the recorded ids, or ids re-encoded with ``encoder``."""
+    """Chat messages exactly as the engine prompts, and segments: the recorded ids, or ids
+    re-encoded with ``encoder``."""
 
     def __init__(self, encoder: TurnEncoder | None = None, agent_format: ReActFormat | None = None):
-        self.encoder, self.format = encoder, agent_format or ReActFormat()
-        self._envs: dict[str, Any] = {}
+        self.encoder, self.format = encoder, agent_format or _FORMAT
 
-    def messages(self, tree: SearchTree, path: list[Node]) -> list[dict[str, str]]:
-        from .env import make_env
-
-        env = self._envs.get(tree.task.env)
-        if env is None:
-            env = self._envs[tree.task.env] = make_env(tree.task.env)
-        msgs = self.format.first_messages(env, tree.task, path[0].observation)
-        for node in path[1:]:
+    def messages(self, tree: SearchTree, path: list[Node], flags: Sequence[bool] | None = None
+                 ) -> list[dict[str, Any]]:
+        """The chat from the system prompt to the last step's completion (its observation is
+        not part of what is trained). With ``flags`` (per step), every message carries a
+        ``trainable`` key: the step's flag on assistant turns, false elsewhere."""
+        msgs: list[dict[str, Any]] = prompt_messages(tree.task, path[0].observation, self.format)
+        for i, node in enumerate(path[1:]):
+            if i:
+                msgs.append(self.format.observation_message(path[i].step.observation))
             msgs.append({"role": "assistant", "content": node.step.completion})
-            msgs.append(self.format.observation_message(node.step.observation))
+        if flags is not None:
+            k = iter(flags)
+            msgs = [{**m, "trainable": bool(next(k)) if m["role"] == "assistant" else False} for m in msgs]
         return msgs
 
     def segments(self, tree: SearchTree, path: list[Node], train_from: int,
@@ -161,22 +187,22 @@ class _Renderer:
         """Segments of root..path[-1]; steps at depth >= ``train_from`` are trainable (invalid
         steps not, with ``mask_invalid``: SFT must not imitate them, while DPO and GRPO learn
         from them). Empty when the ids were not recorded."""
-        steps = [n.step for n in path[1:]]
-        keep = [s.valid or not mask_invalid for s in steps]
+        keep = self.flags(path, train_from, mask_invalid)
         if self.encoder is not None:
-            msgs = self.messages(tree, path)
-            first = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
-            return segments_from_messages(msgs, self.encoder, train_from=first + 2 * (train_from - 1),
-                                          trainable=keep)
-        segs = Trajectory(tree.task, path).segments()
+            return segments_from_messages(self.messages(tree, path), self.encoder, trainable=keep)
         out, k = [], 0
-        for seg in segs:
+        for seg in Trajectory(tree.task, path).segments():
             if seg.role == "assistant":
+                out.append(seg_dict(seg, keep[k]))
                 k += 1
-                out.append(seg_dict(seg, k >= train_from and keep[k - 1]))
             else:
                 out.append(seg_dict(seg, False))
         return out
+
+    @staticmethod
+    def flags(path: list[Node], train_from: int, mask_invalid: bool) -> list[bool]:
+        """Per step of ``path``: whether it carries loss."""
+        return [n.depth >= train_from and (n.step.valid or not mask_invalid) for n in path[1:]]
 
 
 def _branch_groups(tree: SearchTree) -> Iterable[tuple[Node, list[Node]]]:
@@ -209,15 +235,20 @@ def _terminals_below(tree: SearchTree, node: Node) -> list[Node]:
 
 
 # --- SFT ------------------------------------------------------------------------------------------
-def sft_rows(results: Iterable[SearchResult], *, top_k: int = 1, min_reward: float = 1.0,
+def env_reward(path: list[Node], start: int = 1) -> float:
+    """The env's reward summed over the steps of ``path`` at depth >= ``start``."""
+    return float(sum(n.step.reward for n in path[1:] if n.depth >= start))
+
+
+def sft_rows(results: Iterable[SearchResult], *, top_k: int = 1, include_failures: bool = False,
              tokenizer: TurnEncoder | None = None, mask_invalid: bool = True) -> list[dict[str, Any]]:
-    """Rejection sampling: per task, up to ``top_k`` distinct finished trajectories with reward
-    (outcome: 1 success, 0 failure) at least ``min_reward``, best first, fewer steps first."""
+    """Rejection sampling: per task, up to ``top_k`` distinct finished trajectories, successful
+    ones (``include_failures``: failed ones too, after them), fewer steps first."""
     r = _Renderer(tokenizer)
     rows = []
     for res in results:
         tree = res.tree
-        leaves = [n for n in tree.terminals() if n.parent is not None and outcome(n) >= min_reward]
+        leaves = [n for n in tree.terminals() if n.parent is not None and (n.success or include_failures)]
         leaves.sort(key=lambda n: (-outcome(n), n.depth, n.id))
         seen: set[tuple[str, ...]] = set()
         for leaf in leaves:
@@ -227,9 +258,10 @@ def sft_rows(results: Iterable[SearchResult], *, top_k: int = 1, min_reward: flo
                 continue
             seen.add(key)
             rows.append({"task_id": tree.task.task_id, "env": tree.task.env,
-                         "messages": r.messages(tree, path),
+                         "messages": r.messages(tree, path, r.flags(path, 1, mask_invalid)),
                          "segments": r.segments(tree, path, 1, mask_invalid),
-                         "reward": outcome(leaf), "steps": len(path) - 1})
+                         "success": bool(leaf.success), "reward": env_reward(path),
+                         "steps": len(path) - 1})
             if len(seen) >= top_k:
                 break
     return rows
@@ -267,7 +299,7 @@ def dpo_rows(results: Iterable[SearchResult], *, margin: float = 0.5, value: str
                 rows.append({
                     "task_id": tree.task.task_id, "env": tree.task.env,
                     "pair_id": f"{tree.task.task_id}/{parent.id}/{n}",
-                    "prompt": msgs_a[:cut], "chosen": msgs_a[cut:-1], "rejected": msgs_b[cut:-1],
+                    "prompt": msgs_a[:cut], "chosen": msgs_a[cut:], "rejected": msgs_b[cut:],
                     "chosen_segments": r.segments(tree, ca, depth, mask_invalid=False),
                     "rejected_segments": r.segments(tree, cb, depth, mask_invalid=False),
                     "chosen_value": vals[a.id], "rejected_value": vals[b.id]})
@@ -294,9 +326,11 @@ def _continuation(tree: SearchTree, child: Node, unit: str, best: bool) -> list[
 def grpo_rows(results: Iterable[SearchResult], *, unit: str = "trajectory", value: str = "mc",
               min_group: int = 2, tokenizer: TurnEncoder | None = None) -> list[dict[str, Any]]:
     """Groups of continuations from one snapshot. ``unit="trajectory"``: every finished
-    trajectory below a branch point is a member, its reward the outcome (best-of-N gives the
-    classic GRPO group at the root); ``"step"``: each sibling's single turn, its reward the
-    sibling's value. Rows carry the behaviour policy's logprobs in their segments."""
+    trajectory below a branch point is a member, its ``value`` the outcome (1 success, 0
+    failure; best-of-N gives the classic GRPO group at the root); ``"step"``: each sibling's
+    single turn, its ``value`` the sibling's node value. ``reward`` is the env's reward over the
+    member's steps, ``success``/``terminal`` whether the member ended a solved / any episode.
+    Rows carry the behaviour policy's logprobs in their segments."""
     _check_unit(unit)
     r = _Renderer(tokenizer)
     rows = []
@@ -313,14 +347,94 @@ def grpo_rows(results: Iterable[SearchResult], *, unit: str = "trajectory", valu
                 continue
             depth = parent.depth + 1
             gid = f"{tree.task.task_id}/{parent.id}/{g}"
-            for path, reward in members:
+            for path, target in members:
                 msgs = r.messages(tree, path)
                 cut = _cut(msgs, depth)
+                last = path[-1]
                 rows.append({"task_id": tree.task.task_id, "env": tree.task.env, "group_id": gid,
-                             "prompt": msgs[:cut], "completion": msgs[cut:-1],
+                             "prompt": msgs[:cut], "completion": msgs[cut:],
                              "segments": r.segments(tree, path, depth, mask_invalid=False),
-                             "reward": float(reward),
-                             "success": bool(path[-1].success)})
+                             "value": float(target), "reward": env_reward(path, depth),
+                             "success": bool(last.terminal and last.success),
+                             "terminal": bool(last.terminal)})
+    return rows
+
+
+# --- PRM step labels -----------------------------------------------------------------------------
+def label_paths(tree: SearchTree) -> list[list[Node]]:
+    """Root-to-leaf paths (root excluded) worth labelling: no failed node, no duplicate-state
+    prune at the end."""
+    paths = []
+    for leaf in tree.leaves():
+        if leaf.parent is None or leaf.status == FAILED or leaf.error == "duplicate state":
+            continue
+        path = tree.path(leaf)[1:]
+        if all(n.step is not None and n.status != FAILED for n in path):
+            paths.append(path)
+    return paths
+
+
+def finished_below(tree: SearchTree) -> dict[int, tuple[int, int]]:
+    """Per node id: (successful, all) finished non-failed leaves in its subtree."""
+    out: dict[int, tuple[int, int]] = {}
+    for node in reversed(tree.nodes):  # children always come after their parent
+        done = node.terminal and node.status != FAILED
+        wins, count = (int(node.success), 1) if done else (0, 0)
+        for c in node.children:
+            w, n = out[c]
+            wins, count = wins + w, count + n
+        out[node.id] = (wins, count)
+    return out
+
+
+def _soft(mc: float | None, q: float | None, how: str) -> float | None:
+    if how != "mean":
+        return q if how == "q" and q is not None else mc
+    have = [v for v in (mc, q) if v is not None]
+    return sum(have) / len(have) if have else None
+
+
+def prm_rows(results: Iterable[SearchResult], *, soft: str = "mc", threshold: float = 0.5,
+             tree_leaves: bool = True, extra: dict[tuple[int, int], tuple[int, int]] | None = None,
+             segments: bool = True, tokenizer: TurnEncoder | None = None) -> list[dict[str, Any]]:
+    """PRM label rows, one per labelled root-to-leaf path. A step's Monte-Carlo value is the
+    share of successful finished leaves below its node (``tree_leaves``) plus ``extra`` rollouts
+    (``{(result index, node id): (successes, rollouts)}``, what ``omrl label`` samples); a
+    terminal step's value is its own success. ``soft_labels`` per ``soft``, ``labels`` =
+    ``soft_labels >= threshold``; a path is cut before its first step without a value."""
+    if soft not in SOFT:
+        raise ExportError(f"soft must be one of {', '.join(SOFT)}, got {soft!r}")
+    if not 0.0 < threshold <= 1.0:
+        raise ExportError(f"need 0 < threshold <= 1, got {threshold}")
+    r, extra = _Renderer(tokenizer), extra or {}
+    rows = []
+    for i, res in enumerate(results):
+        tree = res.tree
+        below = finished_below(tree) if tree_leaves else {}
+        for path in label_paths(tree):
+            mc, n_mc, q, visits = [], [], [], []
+            for node in path:
+                wins, count = (int(node.success), 1) if node.terminal else [
+                    a + b for a, b in zip(below.get(node.id, (0, 0)), extra.get((i, node.id), (0, 0)))]
+                mc.append(wins / count if count else None)
+                n_mc.append(count)
+                q.append(min(max(node.value_sum / node.visits, 0.0), 1.0) if node.visits else None)
+                visits.append(node.visits)
+            target = [_soft(m, qv, soft) for m, qv in zip(mc, q)]
+            cut = target.index(None) if None in target else len(target)
+            if cut == 0:
+                continue
+            path, mc, n_mc, q, visits, target = (x[:cut] for x in (path, mc, n_mc, q, visits, target))
+            rows.append({
+                "prompt": prompt_messages(tree.task, tree.root.observation, r.format),
+                "completions": [n.step.completion for n in path],
+                "labels": [t >= threshold for t in target], "soft_labels": target,
+                "mc_values": mc, "mc_rollouts": n_mc, "q_values": q, "visits": visits,
+                "observations": [n.step.observation for n in path],
+                "segments": r.segments(tree, [tree.root] + path, 1, False) if segments else [],
+                "env": tree.task.env, "task_id": tree.task.task_id, "split": tree.task.split,
+                "strategy": res.strategy, "success": bool(path[-1].terminal and path[-1].success),
+                "terminal": bool(path[-1].terminal)})
     return rows
 
 
@@ -367,26 +481,38 @@ def openmanus_rows(path: str | Path, tokenizer: TurnEncoder | None = None) -> li
             except ValueError as exc:
                 raise ExportError(f"{where}: {exc}") from None
         rows.append({"task_id": str(rec.get("id", i)), "env": "openmanus", "messages": msgs,
-                     "segments": segs, "reward": 1.0, "steps": sum(m["role"] == "assistant" for m in msgs)})
+                     "segments": segs, "success": True, "reward": None,  # demonstrations: no env reward
+                     "steps": sum(m["role"] == "assistant" for m in msgs)})
     return rows
 
 
 # --- parquet ---------------------------------------------------------------------------------------
-def _schema(kind: str) -> Any:
+def schema(kind: str) -> Any:
+    """The pyarrow schema of ``kind`` rows (``prm``: the label-file layout)."""
     import pyarrow as pa
 
-    msg = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+    pairs = [("role", pa.string()), ("content", pa.string())]
+    msg = pa.list_(pa.struct(pairs))
     seg = pa.list_(pa.struct([("role", pa.string()), ("token_ids", pa.list_(pa.int64())),
                               ("logprobs", pa.list_(pa.float64())), ("trainable", pa.bool_())]))
     base = [("task_id", pa.string()), ("env", pa.string())]
+    floats, ints = pa.list_(pa.float64()), pa.list_(pa.int64())
     fields = {
-        "sft": base + [("messages", msg), ("segments", seg), ("reward", pa.float64()),
+        "sft": base + [("messages", pa.list_(pa.struct(pairs + [("trainable", pa.bool_())]))),
+                       ("segments", seg), ("success", pa.bool_()), ("reward", pa.float64()),
                        ("steps", pa.int64())],
         "dpo": base + [("pair_id", pa.string()), ("prompt", msg), ("chosen", msg),
                        ("rejected", msg), ("chosen_segments", seg), ("rejected_segments", seg),
                        ("chosen_value", pa.float64()), ("rejected_value", pa.float64())],
         "grpo": base + [("group_id", pa.string()), ("prompt", msg), ("completion", msg),
-                        ("segments", seg), ("reward", pa.float64()), ("success", pa.bool_())],
+                        ("segments", seg), ("value", pa.float64()), ("reward", pa.float64()),
+                        ("success", pa.bool_()), ("terminal", pa.bool_())],
+        "prm": [("prompt", msg), ("completions", pa.list_(pa.string())),
+                ("labels", pa.list_(pa.bool_())), ("soft_labels", floats), ("mc_values", floats),
+                ("mc_rollouts", ints), ("q_values", floats), ("visits", ints),
+                ("observations", pa.list_(pa.string())), ("segments", seg)] + base
+               + [("split", pa.string()), ("strategy", pa.string()), ("success", pa.bool_()),
+                  ("terminal", pa.bool_())],
     }[kind]
     return pa.schema(fields, metadata={b"omrl.kind": kind.encode()})
 
@@ -399,10 +525,14 @@ def write_parquet(rows: list[dict[str, Any]], path: str | Path, kind: str) -> Pa
     kind = "sft" if kind == "openmanus" else kind
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    table = pa.Table.from_pylist(rows, schema=_schema(kind))
+    sch = schema(kind)
+    table = pa.Table.from_pylist([{k: r.get(k) for k in sch.names} for r in rows], schema=sch)
     tmp = path.with_name(f".{path.name}.tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 
@@ -421,7 +551,7 @@ def export(kind: str, sources: Sequence[str | Path], out: str | Path, *,
             if not Path(s).is_file():
                 raise ExportError(f"{s}: no such file")
             results += list(read_results(s))
-        build = {"sft": sft_rows, "dpo": dpo_rows, "grpo": grpo_rows}[kind]
+        build = {"sft": sft_rows, "dpo": dpo_rows, "grpo": grpo_rows, "prm": prm_rows}[kind]
         rows = build(results, tokenizer=enc, **options)
     if not rows:
         raise ExportError(f"no {kind} rows in {', '.join(map(str, sources))} (nothing written)")
@@ -430,33 +560,42 @@ def export(kind: str, sources: Sequence[str | Path], out: str | Path, *,
 
 # --- ``omrl export`` ---------------------------------------------------------------------------------
 def configure(parser: Any) -> None:
-    """Export search results as SFT / DPO / GRPO parquet, or import OpenManus-RL data."""
+    """Export search results as SFT / DPO / GRPO / PRM-label parquet, or import OpenManus-RL data."""
     parser.add_argument("kind", choices=KINDS)
     parser.add_argument("sources", nargs="+", help="results.jsonl files (openmanus: a JSON/JSONL file)")
     parser.add_argument("--out", required=True, help="the parquet file to write")
     parser.add_argument("--tokenizer", default=None,
                         help="re-encode with this model's tokenizer (smollm2, an HF folder or a .gguf)")
     parser.add_argument("--top-k", type=int, default=1, help="sft: trajectories kept per task")
-    parser.add_argument("--min-reward", type=float, default=1.0, help="sft: reward threshold")
+    parser.add_argument("--include-failures", action="store_true",
+                        help="sft: keep failed trajectories too (after the successful ones)")
     parser.add_argument("--margin", type=float, default=0.5, help="dpo: least value gap of a pair")
     parser.add_argument("--max-pairs", type=int, default=4, help="dpo: pairs per branch point")
     parser.add_argument("--unit", choices=("step", "trajectory"), default=None,
                         help="dpo/grpo: single turns or whole continuations (dpo: step, grpo: trajectory)")
     parser.add_argument("--value", choices=VALUES, default="mc", help="dpo/grpo: node values")
     parser.add_argument("--min-group", type=int, default=2, help="grpo: smallest group kept")
+    parser.add_argument("--soft", choices=SOFT, default="mc",
+                        help="prm: what soft_labels hold (mc, q where there is one, their mean)")
+    parser.add_argument("--threshold", type=float, default=0.5, help="prm: labels = soft_labels >= this")
 
 
 def run(args: Any) -> int:
     import sys
 
+    from .outdir import check_writable_file
+
+    check_writable_file(args.out)  # before any input is read
     opts: dict[str, Any] = {}
     if args.kind == "sft":
-        opts = {"top_k": args.top_k, "min_reward": args.min_reward}
+        opts = {"top_k": args.top_k, "include_failures": args.include_failures}
     elif args.kind == "dpo":
         opts = {"margin": args.margin, "max_pairs": args.max_pairs, "value": args.value,
                 "unit": args.unit or "step"}
     elif args.kind == "grpo":
         opts = {"min_group": args.min_group, "value": args.value, "unit": args.unit or "trajectory"}
+    elif args.kind == "prm":
+        opts = {"soft": args.soft, "threshold": args.threshold}
     try:
         path, n = export(args.kind, args.sources, args.out, tokenizer=args.tokenizer, **opts)
     except ExportError as exc:

@@ -10,10 +10,13 @@ tokenizer — the exact ids the policy saw (context ids and completion ids per s
 * ``input="segments"``: the policy's own ids, exactly as it saw them (system prompt, action help,
   chat template). Only sound when the policy's tokenizer *is* the reward model's.
 * ``input="text"``: the episode rendered turn by turn with the reward model's tokenizer
-  (:class:`~omrl_search.agent.TurnEncoder`): a short first user turn
-  ``Task: ...\\n\\nObservation: ...``, each completion closed by the template's end-of-turn
-  token, each observation as a user turn ``Observation: ...``. Used for policies with another
-  tokenizer (scripted policies' byte ids, a different model).
+  (:class:`~omrl_search.agent.TurnEncoder`): the engine's own first prompt (system prompt, task,
+  action help, example, first observation — :func:`omrl_search.exports.prompt_messages`, the
+  function label files' ``prompt`` comes from) closed by the template's generation prompt, each
+  completion closed by the end-of-turn token, each observation as a user turn
+  ``Observation: ...``. For a policy with the reward model's tokenizer these are the ids the
+  policy saw (tested). Used for policies with another tokenizer (scripted policies' byte ids, a
+  different model).
 * ``input="auto"`` (default): segments when the episode has them and they decode, with the reward
   model's tokenizer, to the recorded completion texts; text otherwise.
 
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from omrl_search.agent import ReActFormat, TurnEncoder
+from omrl_search.exports import prompt_messages
 from omrl_search.tree import Trajectory
 
 INPUTS = ("auto", "segments", "text")
@@ -38,7 +42,7 @@ _FORMAT = ReActFormat()
 class Episode:
     """A trajectory prefix as plain data (see the module docstring)."""
 
-    prompt: str
+    prompt: str | list[dict[str, str]]  # the first messages (a string: one user turn, older files)
     completions: list[str]
     observations: list[str]
     context_ids: list[list[int]] | None = None  # per step: ids added before its completion
@@ -48,9 +52,9 @@ class Episode:
         return len(self.completions)
 
 
-def task_prompt(instruction: str, observation: str) -> str:
-    """The first user turn of the text rendering (also the ``prompt`` column of label files)."""
-    return f"Task: {instruction.strip()}\n\nObservation: {observation}"
+def first_messages(ep: Episode) -> list[dict[str, str]]:
+    """The messages before an episode's first step."""
+    return [{"role": "user", "content": ep.prompt}] if isinstance(ep.prompt, str) else list(ep.prompt)
 
 
 def episode_from_trajectory(traj: Trajectory) -> Episode:
@@ -58,7 +62,7 @@ def episode_from_trajectory(traj: Trajectory) -> Episode:
     ctx = [s.context_ids for s in steps]
     comp = [s.completion_ids for s in steps]
     has_ids = bool(steps) and all(c is not None for c in ctx) and all(c is not None for c in comp)
-    return Episode(task_prompt(traj.task.instruction, traj.nodes[0].observation),
+    return Episode(prompt_messages(traj.task, traj.nodes[0].observation),
                    [s.completion for s in steps], [s.observation for s in steps],
                    [list(c) for c in ctx] if has_ids else None,  # type: ignore[arg-type]
                    [list(c) for c in comp] if has_ids else None)  # type: ignore[arg-type]
@@ -70,7 +74,8 @@ def episode_from_row(row: dict[str, Any]) -> Episode:
     n = len(row["completions"])
     if split is not None and len(split[1]) != n:
         split = None  # segments that do not line up with the steps are not used
-    return Episode(row["prompt"], list(row["completions"]), list(row["observations"]),
+    prompt = row["prompt"]
+    return Episode(prompt if isinstance(prompt, str) else [dict(m) for m in prompt], list(row["completions"]), list(row["observations"]),
                    split[0] if split else None, split[1] if split else None)
 
 
@@ -158,7 +163,7 @@ class StepEncoder:
 
     def _text(self, ep: Episode, n: int) -> tuple[list[int], list[int]]:
         enc, tok = self.turns, self.tok
-        ids = enc.first_prompt([{"role": "user", "content": ep.prompt}])
+        ids = enc.first_prompt(first_messages(ep))
         pos: list[int] = []
         for i in range(n):
             comp = tok.encode(ep.completions[i]) + self.close_ids

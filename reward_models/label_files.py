@@ -1,23 +1,30 @@
-"""Label files: parquet in TRL's stepwise layout plus omrl columns, and their validation.
+"""Label files: parquet of per-step labels (the layout of ``omrl export prm`` / ``omrl label``) and
+their validation.
 
 One row per root-to-leaf path of a search tree:
 
 ========================  =========================================================================
-``prompt``                the first user turn, ``Task: ...\\n\\nObservation: ...`` (TRL: string)
-``completions``           each step's completion, thought + action (TRL: list of strings)
-``labels``                ``soft_labels >= threshold`` per step (TRL: list of bools)
+``prompt``                the engine's system and first user turn (task, action help, example,
+                          first observation) as ``[{role, content}]`` — exactly what the learned
+                          PRM reads before the first step (older files: one user-turn string)
+``completions``           each step's completion, thought + action
+``labels``                ``soft_labels >= threshold`` per step (bools)
 ``soft_labels``           the training target per step, a float in [0, 1]
 ``mc_values``             Monte-Carlo value per step (share of successful rollouts), or null
 ``mc_rollouts``           rollouts behind each MC value
 ``q_values``              MCTS Q-value (value sum / visits) per step, or null without visits
 ``visits``                MCTS visit count per step
-``observations``          the observation each step got back
-``segments``              exact token ids as the policy saw them: ``{role, token_ids, trainable}``
+``observations``          the observation each step got back (rendered as the next user turn)
+``segments``              exact token ids as the policy saw them: ``{role, token_ids, logprobs,
+                          trainable}``
 ``env``, ``task_id``,     where the row comes from (``split`` is the task's split: train rows
 ``split``, ``strategy``   train, test rows only evaluate)
-``success``, ``terminal``  whether the row's leaf is a successful terminal / a terminal
+``success``, ``terminal``  whether the row's last step ended a solved episode / any episode
 ========================  =========================================================================
 
+TRL 1.16 ships no PRM trainer (earlier releases' stepwise ``PRMTrainer``, last in
+``trl.experimental.prm``, is gone; its layout put no observations between steps and no separator
+between prompt and first step); ``omrl train prm`` reads these files (docs/interop.md).
 :func:`read_labels` validates every row and fails with ``FILE:ROW: reason`` (rows count from 1).
 """
 from __future__ import annotations
@@ -37,23 +44,29 @@ class LabelFileError(ValueError):
 
 
 def schema() -> Any:
-    import pyarrow as pa
+    """The label files' pyarrow schema (``omrl export prm``'s)."""
+    from omrl_search.exports import schema as export_schema
 
-    seg = pa.struct([("role", pa.string()), ("token_ids", pa.list_(pa.int32())), ("trainable", pa.bool_())])
-    return pa.schema([
-        ("prompt", pa.string()), ("completions", pa.list_(pa.string())), ("labels", pa.list_(pa.bool_())),
-        ("soft_labels", pa.list_(pa.float64())), ("mc_values", pa.list_(pa.float64())),
-        ("mc_rollouts", pa.list_(pa.int32())), ("q_values", pa.list_(pa.float64())),
-        ("visits", pa.list_(pa.int32())), ("observations", pa.list_(pa.string())),
-        ("segments", pa.list_(seg)), ("env", pa.string()), ("task_id", pa.string()),
-        ("split", pa.string()), ("strategy", pa.string()), ("success", pa.bool_()),
-        ("terminal", pa.bool_()),
-    ])
+    return export_schema("prm")
+
+
+def _prompt_problem(prompt: Any) -> str | None:
+    if isinstance(prompt, str):
+        return None if prompt else "prompt must not be empty"
+    if not isinstance(prompt, list) or not prompt:
+        return "prompt must be a non-empty list of {role, content} messages"
+    for m in prompt:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            return "prompt must be a non-empty list of {role, content} messages"
+    return None
 
 
 def check_row(row: dict[str, Any]) -> str | None:
     """The first problem of one row, or None."""
-    for key in ("prompt", "env", "task_id", "split"):
+    problem = _prompt_problem(row.get("prompt"))
+    if problem:
+        return problem
+    for key in ("env", "task_id", "split"):
         if not isinstance(row.get(key), str) or not row[key]:
             return f"{key} must be a non-empty string"
     comps = row.get("completions")
@@ -132,6 +145,12 @@ def load_label_dir(data: str | os.PathLike, splits: Iterable[str] | None = None)
     return [row for f in label_files(data) for row in read_labels(f, splits)]
 
 
+def _stored(row: dict[str, Any], key: str) -> Any:
+    """A row's value as the schema stores it: a string prompt is one user turn."""
+    val = row.get(key)
+    return [{"role": "user", "content": val}] if key == "prompt" and isinstance(val, str) else val
+
+
 def write_labels(rows: list[dict[str, Any]], out: str | os.PathLike) -> dict[str, str]:
     """Write ``OUT/<split>.parquet`` per split (each validated first, written to a temporary
     name and renamed, so nothing half-written is left); returns split -> path."""
@@ -153,7 +172,7 @@ def write_labels(rows: list[dict[str, Any]], out: str | os.PathLike) -> dict[str
         for split, part in sorted(by_split.items()):
             if not split.replace("-", "").replace("_", "").isalnum():
                 raise LabelFileError(f"<rows>: split name {split!r} is not usable as a file name")
-            table = pa.Table.from_pylist([{k: r.get(k) for k in sch.names} for r in part], schema=sch)
+            table = pa.Table.from_pylist([{k: _stored(r, k) for k in sch.names} for r in part], schema=sch)
             tmp = out / f".{split}.parquet.tmp"
             tmps.append(tmp)
             pq.write_table(table, tmp)

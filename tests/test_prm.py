@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("pyarrow")
 
 import omrl_search as om  # noqa: E402
+from omrl_search.env import make_env  # noqa: E402
 from omrl_search.reward import make_reward_model  # noqa: E402
 from reward_models.inputs import Episode, StepEncoder, episode_from_trajectory  # noqa: E402
 from reward_models.label_files import write_labels  # noqa: E402
@@ -194,3 +195,34 @@ def test_smollm2_backbone_cut_to_two_layers_saves_and_loads(tmp_path):
     prm.save_pretrained(tmp_path / "p")
     assert json.loads((tmp_path / "p" / "config.json").read_text())["num_hidden_layers"] == 2
     assert ProcessRewardModel.from_pretrained(str(tmp_path / "p"), device="cpu").score_episodes([EP]) == before
+
+
+def test_text_input_of_a_label_row_is_what_the_policy_saw(prm, tiny_hf_model):
+    """Label rows and the PRM's text input are built from one prompt function: for trees
+    re-encoded with the PRM's tokenizer, the text input of a label row is exactly the policy's
+    ids (system prompt, action help, the template's separator before the first step, every
+    observation turn), then the last observation turn; a scored trajectory gives the same."""
+    from omrl_search.exports import load_encoder, prm_rows
+    from reward_models.inputs import episode_from_row
+
+    tasks = om.load_tasks("game24", "train", limit=2)
+    results = om.search_many(tasks, strategy="beam:width=2,k=2", policy="scripted:oracle:p=0.5", seed=1)
+    enc = load_encoder(tiny_hf_model)
+    text = StepEncoder(prm.tokenizer, input="text", max_length=100_000)
+    rows = prm_rows(results, tokenizer=enc)
+    assert rows
+    for row in rows:
+        ep = episode_from_row(row)
+        ids, pos = text.encode(ep)
+        flat = [i for s in row["segments"] for i in s["token_ids"]]
+        last = enc.observation_turn(f"Observation: {row['observations'][-1]}", row["segments"][-1]["token_ids"])
+        assert ids == flat + last and pos[-1] == len(ids) - 1
+        head = prm.tokenizer.decode(ids[:len(row["segments"][0]["token_ids"])])
+        assert head.startswith("<|im_start|>system\n") and head.endswith("<|im_end|>\n<|im_start|>assistant\n")
+        assert make_env("game24").action_help in head
+    for res in results:  # scoring a live trajectory starts from the same prompt
+        row = next(r for r in rows if r["task_id"] == res.task.task_id)
+        ep = episode_from_trajectory(res.tree.trajectory(res.tree.nodes[res.tree.root.children[0]]))
+        assert ep.prompt == row["prompt"]
+        first = row["segments"][0]["token_ids"]
+        assert text.encode(ep)[0][:len(first)] == first
