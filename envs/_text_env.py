@@ -13,8 +13,10 @@ attributes of the env). From such a value:
   changes nothing.
 
 :class:`TextEnv` is the base those envs share (``_require``, the invalid-action message, and the
-two optional hooks below), and :func:`take_split` how their ``tasks(split, limit)`` check and
-slice a split.
+two optional hooks below), :func:`take_split` how their ``tasks(split, limit)`` check and slice a
+split, and :func:`task_knobs` how the envs with a curriculum (game24, countdown, sokoban) read
+difficulty knobs from ``tasks(split, limit, **knobs)`` or from the split itself
+(``--split test:level=2``).
 
 Two optional methods serve the agent format and the demonstrations (docs/design.md §4):
 
@@ -87,6 +89,56 @@ def take_split(split: str, limit: int | None, splits: Sequence[str],
         raise ValueError(f"unknown split {split!r} (known: {', '.join(splits)})")
     tasks = make(split)
     return list(tasks[:limit] if limit is not None else tasks)
+
+
+Range = tuple[int, int]
+
+
+def task_knobs(env: str, split: str, given: dict[str, Any], known: dict[str, Range],
+               splits: Sequence[str] = ("train", "test")) -> tuple[str, dict[str, Range]]:
+    """The split and the difficulty knobs of a ``tasks()`` call: ``split`` may carry knobs
+    (``"test:level=2"``, ``"train:numbers=4,target=10-99"``: what ``--split`` gives from the
+    CLI), ``given`` holds keyword knobs. Each knob is an int or a range ``LO-HI`` (a string or a
+    pair) within its bounds in ``known``; returns ``(split, {knob: (lo, hi)})``, knobs sorted.
+    Anything else is one ``ValueError`` line naming the env, the knob and what it takes."""
+    base, _, spec = split.partition(":")
+    if base not in splits:
+        raise ValueError(f"{env} has splits {' and '.join(map(repr, splits))}, not {base!r}")
+    raw: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, eq, value = part.partition("=")
+        if not eq:
+            raise ValueError(f"{env}: bad task knob {part!r} in split {split!r} (expected knob=value)")
+        raw[key.strip()] = value.strip()
+    raw.update({k: v for k, v in given.items() if v is not None})
+    out = {}
+    for key, value in sorted(raw.items()):
+        if key not in known:
+            names = ", ".join(f"{k} ({lo}-{hi})" for k, (lo, hi) in known.items())
+            raise ValueError(f"{env}: unknown task knob {key!r} (known: {names})")
+        out[key] = _knob_range(env, key, value, known[key])
+    return base, out
+
+
+def _knob_range(env: str, key: str, value: Any, bounds: Range) -> Range:
+    lo = hi = None
+    if type(value) is int:
+        lo = hi = value
+    elif isinstance(value, (tuple, list)) and len(value) == 2 and all(type(v) is int for v in value):
+        lo, hi = value
+    elif isinstance(value, str):
+        a, dash, b = value.strip().partition("-")
+        if a.strip().isdigit() and (not dash or b.strip().isdigit()):
+            lo, hi = int(a), int(b if dash else a)
+    if lo is None or not bounds[0] <= lo <= hi <= bounds[1]:
+        raise ValueError(f"{env}: task knob {key} must be an integer or a range LO-HI within "
+                         f"{bounds[0]}-{bounds[1]}, got {value!r}")
+    return lo, hi
+
+
+def knob_label(knobs: dict[str, Range]) -> str:
+    """``{"level": (2, 2), "size": (6, 7)}`` -> ``"level=2,size=6-7"`` (what a split string says)."""
+    return ",".join(f"{k}={lo}" if lo == hi else f"{k}={lo}-{hi}" for k, (lo, hi) in knobs.items())
 
 
 class TextEnv(Env):

@@ -5,22 +5,62 @@ random order with random operations whose intermediate results stay positive int
 value is the target. Candidates come from ``random.Random`` seeded by ``(split, index)``; a stable
 hash of the puzzle decides which split it belongs to (others are skipped), so the splits are
 disjoint and every call returns the same list.
+
+Difficulty knobs (``tasks(split, limit, numbers=4, target=(10, 99))``, or in the split:
+``--split test:numbers=4,target=10-99``): ``numbers``, how many numbers (3 to 6; default a mix),
+``target``, its range (default 10-999), and ``level``, 1 (3 numbers), 2 (4) or 3 (5-6), which
+the task data also records. Tasks with knobs come from their own seeded stream (a split of up to
+the default size each), still split by the puzzle's hash.
 """
 from __future__ import annotations
 
 import random
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 from omrl_search.env import register_env, stable_hash
 from omrl_search.types import Task
 
+from ._text_env import Range, knob_label, task_knobs
 from .arith import ArithmeticEnv, check_numbers
 
 SPLIT_SIZES = {"train": 1000, "test": 200}
 TEST_PERCENT = 20
 TARGET_RANGE = (10, 999)
 BIG_NUMBERS = (25, 50, 75, 100)
+COUNTS = (3, 4, 4, 5, 5, 6)  # how many numbers, drawn uniformly from this (the default mix)
+KNOBS = {"level": (1, 3), "numbers": (3, 6), "target": (1, 100_000)}
+LEVEL_COUNTS = {1: (3,), 2: (4,), 3: (5, 6)}
+MAX_DRAWS = 500  # number draws per candidate before it is given up (narrow target ranges)
+
+
+class Spec(NamedTuple):
+    """What a stream of puzzles is drawn from: the counts of numbers and the target range."""
+
+    counts: tuple[int, ...] = COUNTS
+    target: Range = TARGET_RANGE
+    label: str = ""  # the knobs as a split says them ("" for the default stream)
+
+
+def spec_of(knobs: dict[str, Range]) -> Spec:
+    """The stream for ``knobs`` (see the module docstring); one ValueError line when the knobs
+    leave no size of puzzle."""
+    if not knobs:
+        return Spec()
+    counts = COUNTS
+    if "level" in knobs:
+        lo, hi = knobs["level"]
+        counts = tuple(c for level in range(lo, hi + 1) for c in LEVEL_COUNTS[level])
+    if "numbers" in knobs:
+        lo, hi = knobs["numbers"]
+        counts = tuple(c for c in dict.fromkeys(counts) if lo <= c <= hi)
+    if not counts:
+        raise ValueError(f"countdown: the knobs {knob_label(knobs)} leave no puzzle size")
+    return Spec(counts, knobs.get("target", TARGET_RANGE), knob_label(knobs))
+
+
+def level_of(count: int) -> int:
+    return next(level for level, counts in LEVEL_COUNTS.items() if count in counts)
 
 
 def split_of(numbers, target: int) -> str:
@@ -28,14 +68,14 @@ def split_of(numbers, target: int) -> str:
     return "test" if int(stable_hash(key), 16) % 100 < TEST_PERCENT else "train"
 
 
-def _combine_all(rng: random.Random, numbers: list[int]) -> int | None:
+def _combine_all(rng: random.Random, numbers: list[int], high: int = TARGET_RANGE[1]) -> int | None:
     """Fold all numbers into one with random ops keeping positive integers; None if stuck."""
     pool = list(numbers)
     while len(pool) > 1:
         a, b = (pool.pop(rng.randrange(len(pool))) for _ in range(2))
         a, b = max(a, b), min(a, b)
         ops = ["+"]
-        if a * b <= 2 * TARGET_RANGE[1] and b > 1:
+        if a * b <= 2 * high and b > 1:
             ops.append("*")
         if a > b:
             ops.append("-")
@@ -46,29 +86,38 @@ def _combine_all(rng: random.Random, numbers: list[int]) -> int | None:
     return pool[0]
 
 
-def generate(rng: random.Random) -> tuple[tuple[int, ...], int]:
-    """One puzzle ``(sorted numbers, target)`` with a guaranteed solution."""
-    while True:
-        count = rng.choice((3, 4, 4, 5, 5, 6))
+def generate(rng: random.Random, spec: Spec = Spec()) -> tuple[tuple[int, ...], int] | None:
+    """One puzzle ``(sorted numbers, target)`` with a guaranteed solution (None when
+    ``MAX_DRAWS`` draws found no target in range)."""
+    low, high = spec.target
+    for _ in range(MAX_DRAWS):
+        count = rng.choice(spec.counts)
         numbers = [rng.randint(1, 25) for _ in range(count)]
         if rng.random() < 0.3:
             numbers[0] = rng.choice(BIG_NUMBERS)
         for _ in range(10):
-            target = _combine_all(rng, numbers)
-            if TARGET_RANGE[0] <= target <= TARGET_RANGE[1] and target not in numbers:
+            target = _combine_all(rng, numbers, high)
+            if low <= target <= high and target not in numbers:
                 return tuple(sorted(numbers)), target
+    return None
 
 
-@lru_cache(maxsize=2)
-def puzzles(split: str) -> tuple[tuple[tuple[int, ...], int], ...]:
-    """The split's puzzles, in generation order (computed once per process)."""
+@lru_cache(maxsize=16)
+def puzzles(split: str, spec: Spec = Spec()) -> tuple[tuple[tuple[int, ...], int], ...]:
+    """The split's puzzles, in generation order (computed once per process): ``SPLIT_SIZES``
+    of them, fewer when the knobs allow fewer distinct puzzles (none: a ValueError line)."""
     out: dict[tuple, None] = {}
-    index = 0
-    while len(out) < SPLIT_SIZES[split]:
-        puzzle = generate(random.Random(f"countdown:{split}:{index}"))
-        index += 1
-        if split_of(*puzzle) == split:
+    stream = f"countdown:{split}:{spec.label}:" if spec.label else f"countdown:{split}:"
+    for index in range(50 * SPLIT_SIZES[split]):
+        if len(out) >= SPLIT_SIZES[split]:
+            break
+        puzzle = generate(random.Random(f"{stream}{index}"), spec)
+        if puzzle is not None and split_of(*puzzle) == split:
             out.setdefault(puzzle)
+        if not out and index >= 200:
+            break
+    if not out:
+        raise ValueError(f"countdown: no puzzle has the knobs {spec.label} (widen the target range)")
     return tuple(out)
 
 
@@ -102,15 +151,17 @@ class CountdownEnv(ArithmeticEnv):
                 "exactly once. Combine two numbers per step (e.g. `25 * 4`), or give the whole "
                 "expression with `answer EXPR` (e.g. `answer 25 * 4 + 3`)."
             ),
-            data={"numbers": nums, "target": target},
+            data={"numbers": nums, "target": target, "level": level_of(len(nums))},
         )
 
     @classmethod
-    def tasks(cls, split: str, limit: int | None = None) -> list[Task]:
-        if split not in SPLIT_SIZES:
-            raise ValueError(f"countdown has splits 'train' and 'test', not {split!r}")
-        chosen = puzzles(split)[:limit]
-        return [cls.make_task(nums, target, split, seed=i) for i, (nums, target) in enumerate(chosen)]
+    def tasks(cls, split: str, limit: int | None = None, *, level: Any = None, numbers: Any = None,
+              target: Any = None) -> list[Task]:
+        """The split's puzzles; the knobs (also in ``split``) are in the module docstring."""
+        given = {"level": level, "numbers": numbers, "target": target}
+        split, knobs = task_knobs("countdown", split, given, KNOBS, tuple(SPLIT_SIZES))
+        chosen = puzzles(split, spec_of(knobs))[:limit]
+        return [cls.make_task(nums, goal, split, seed=i) for i, (nums, goal) in enumerate(chosen)]
 
     @classmethod
     def task_from_dict(cls, row: dict[str, Any]) -> Task:

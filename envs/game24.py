@@ -3,16 +3,23 @@
 The task set is every solvable multiset of four numbers (enumerated once with the exact solver);
 a stable hash of the puzzle puts about 20% of them in the test split, so train and test never
 share a puzzle, and each split is listed in a fixed hash order that mixes difficulties.
+
+Difficulty is the solver's: ``good_moves``, how many of the distinct first combines keep 24
+reachable (1 to 21 of 10 to 36), in the task data with ``level`` (3: at most 3 good first
+moves, 2: 4 to 7, 1: 8 or more; about a third of the puzzles each). ``tasks(split, limit,
+level=2)`` or the split ``"test:level=2"`` (``--split test:level=2``) keeps one level, or a
+range (``level=2-3``).
 """
 from __future__ import annotations
 
 from functools import lru_cache
-from itertools import combinations_with_replacement
+from itertools import combinations, combinations_with_replacement
 from typing import Any
 
 from omrl_search.env import register_env, stable_hash
 from omrl_search.types import Task
 
+from ._text_env import task_knobs
 from .arith import ArithmeticEnv, check_numbers, solvable
 
 TARGET = 24
@@ -38,6 +45,46 @@ def split_puzzles(split: str) -> tuple[tuple[int, ...], ...]:
     return tuple(sorted(chosen, key=lambda p: stable_hash(("order", p))))
 
 
+LEVELS = ((8, 1), (4, 2), (0, 3))  # (least good first moves, level)
+
+
+def _results(a: float, b: float) -> list[float]:
+    out = [a + b, a * b, a - b, b - a]
+    out += [a / b] if b else []
+    out += [b / a] if a else []
+    return out
+
+
+def _reach3(a: float, b: float, c: float) -> bool:
+    """Whether three numbers make 24 (floats: a difficulty label, 50x faster than exact)."""
+    for x, y, z in ((a, b, c), (a, c, b), (b, c, a)):
+        for v in _results(x, y):
+            if any(abs(w - TARGET) < 1e-9 for w in _results(v, z)):
+                return True
+    return False
+
+
+@lru_cache(maxsize=4096)
+def good_moves(numbers: tuple[int, ...]) -> int:
+    """How many distinct first combines of a sorted 4-number puzzle keep 24 reachable (the
+    moves ``valid_actions()`` lists, commutative ones once)."""
+    seen: dict[tuple, bool] = {}
+    for i, j in combinations(range(len(numbers)), 2):
+        a, b = float(numbers[i]), float(numbers[j])
+        rest = [float(numbers[k]) for k in range(len(numbers)) if k not in (i, j)]
+        moves = [((a, "+", b), a + b), ((a, "*", b), a * b), ((a, "-", b), a - b), ((b, "-", a), b - a)]
+        moves += [((a, "/", b), a / b)] if b else []
+        moves += [((b, "/", a), b / a)] if a and a != b else []
+        for key, value in moves:
+            seen[key] = seen.get(key) or _reach3(value, *rest)
+    return sum(seen.values())
+
+
+def level_of(good: int) -> int:
+    """1 (easy) to 3 (hard) from the number of good first moves."""
+    return next(level for least, level in LEVELS if good >= least)
+
+
 @register_env("game24")
 class Game24Env(ArithmeticEnv):
     """Game of 24 over the exact arithmetic base; 3 combines solve it, 6 steps allowed."""
@@ -59,14 +106,19 @@ class Game24Env(ArithmeticEnv):
                 "once. Combine two numbers per step (e.g. `4 * 6`), or give the whole expression "
                 "with `answer EXPR` (e.g. `answer (1 + 2 + 3) * 4`)."
             ),
-            data={"numbers": nums, "target": TARGET},
+            data={"numbers": nums, "target": TARGET, "good_moves": good_moves(tuple(nums)),
+                  "level": level_of(good_moves(tuple(nums)))},
         )
 
     @classmethod
-    def tasks(cls, split: str, limit: int | None = None) -> list[Task]:
-        if split not in ("train", "test"):
-            raise ValueError(f"game24 has splits 'train' and 'test', not {split!r}")
-        return [cls.make_task(p, split) for p in split_puzzles(split)[:limit]]
+    def tasks(cls, split: str, limit: int | None = None, *, level: int | str | None = None) -> list[Task]:
+        """The split's puzzles (see the module docstring for ``level``, also in ``split``)."""
+        split, knobs = task_knobs("game24", split, {"level": level}, {"level": (1, 3)})
+        puzzles = split_puzzles(split)
+        if "level" in knobs:
+            lo, hi = knobs["level"]
+            puzzles = tuple(p for p in puzzles if lo <= level_of(good_moves(p)) <= hi)
+        return [cls.make_task(p, split) for p in puzzles[:limit]]
 
     @classmethod
     def task_from_dict(cls, row: dict[str, Any]) -> Task:

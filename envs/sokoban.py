@@ -6,6 +6,15 @@ search over (player, boxes) then gives the optimal number of moves, and rooms th
 (< 3 moves), too long (> 12) or have a large state space are rejected. A stable hash of the room
 picks its split, so train and test never share a room.
 
+Difficulty knobs (``tasks(split, limit, boxes=2, size=(6, 7))``, or in the split:
+``--split test:boxes=2,size=6-7``): ``size``, the room's inner side (4-10, default 6-7),
+``boxes`` (1-4, default 1-2), ``moves``, the optimal solution's length (1-40, default 3-12), and
+``level``, a preset of the three (1: one box in 5-6 with 3-10 moves, 2: two boxes in 6-7 with
+4-14, 3: three boxes in 7-8 with 6-20) that the knobs given with it override. The task data
+records ``boxes``, ``size`` ([rows, columns] inside the walls), ``optimal`` and ``level`` (its
+number of boxes, at most 3). Rooms with knobs come from their own seeded stream, still split by
+the room's hash.
+
 The state is an immutable :class:`SokobanState` holding the static layout too, so a value
 snapshot is self-contained. Walking into a wall or pushing a box against a wall or another box
 is a legal move that changes nothing but the step count.
@@ -22,11 +31,11 @@ from typing import Any, NamedTuple
 from omrl_search.env import ValueSnapshots, register_env, stable_hash
 from omrl_search.types import StepResult, Task
 
-from ._text_env import TextEnv, episode_over, say, step_result
+from ._text_env import Range, TextEnv, episode_over, knob_label, say, step_result, task_knobs
 
 DIRS = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
 LEGEND = "Legend: # wall, _ floor, O target, X box, √ box on target, P player, S player on target."
-SPLIT_SIZES = {"train": 500, "test": 100}
+SPLIT_SIZES = {"train": 500, "test": 200}
 TEST_PERCENT = 20
 MOVES_RANGE = (3, 12)
 STATE_CAP = 20_000  # BFS states beyond which a room counts as too large
@@ -46,6 +55,32 @@ _NOTES = {
 _ACTION_RE = re.compile(r"^(?:move|go|walk|push)?\s*(up|down|left|right)$")
 
 Pos = tuple[int, int]
+KNOBS = {"level": (1, 3), "size": (4, 10), "boxes": (1, 4), "moves": (1, 40)}
+LEVELS = {1: {"size": (5, 6), "boxes": (1, 1), "moves": (3, 10)},
+          2: {"size": (6, 7), "boxes": (2, 2), "moves": (4, 14)},
+          3: {"size": (7, 8), "boxes": (3, 3), "moves": (6, 20)}}
+
+
+class Spec(NamedTuple):
+    """What a stream of rooms is drawn from (the defaults: the built-in splits)."""
+
+    size: Range = (6, 7)
+    boxes: Range = (1, 2)
+    moves: Range = MOVES_RANGE
+    label: str = ""  # the knobs as a split says them ("" for the default stream)
+
+
+def spec_of(knobs: dict[str, Range]) -> Spec:
+    """The stream for ``knobs``: a level's preset (a range of levels spans their presets), then
+    the knobs given beside it."""
+    if not knobs:
+        return Spec()
+    fields: dict[str, Range] = {}
+    if "level" in knobs:
+        lo, hi = knobs["level"]
+        fields = {k: (LEVELS[lo][k][0], LEVELS[hi][k][1]) for k in LEVELS[lo]}
+    fields.update({k: v for k, v in knobs.items() if k != "level"})
+    return Spec(**fields, label=knob_label(knobs))
 
 
 class SokobanState(NamedTuple):
@@ -190,22 +225,26 @@ def solve(layout: tuple[str, ...], player: Pos, boxes: tuple[Pos, ...],
     return path
 
 
-def _generate(rng: random.Random, split: str):
+def _generate(rng: random.Random, split: str, spec: Spec = Spec()):
     """One candidate room for ``split`` by reverse play, or None when rejected."""
-    h, w = rng.choice((6, 7)), rng.choice((6, 7))
+    sizes = tuple(range(spec.size[0], spec.size[1] + 1))
+    h, w = rng.choice(sizes), rng.choice(sizes)
     grid = [["#"] * (w + 2)] + [["#"] + ["_"] * w + ["#"] for _ in range(h)] + [["#"] * (w + 2)]
     for _ in range(rng.randint(0, 6)):
         grid[rng.randint(1, h)][rng.randint(1, w)] = "#"
     floor = [(r, c) for r in range(1, h + 1) for c in range(1, w + 1) if grid[r][c] == "_"]
     if len(_region(tuple("".join(row) for row in grid), floor[0])) != len(floor):
         return None  # interior walls cut the room in pieces
-    targets = rng.sample(floor, rng.choice((1, 2)))
+    count = rng.choice(tuple(range(spec.boxes[0], spec.boxes[1] + 1)))
+    if count + 1 > len(floor):
+        return None
+    targets = rng.sample(floor, count)
     for r, c in targets:
         grid[r][c] = "O"
     layout = tuple("".join(row) for row in grid)
     boxes = list(targets)
     player = rng.choice([p for p in floor if p not in boxes])
-    for _ in range(rng.randint(15, 50)):  # walk backwards, sometimes pulling a box behind us
+    for _ in range(rng.randint(15, 50) * (1 + (count > 2))):  # walk backwards, sometimes pulling a box
         d = rng.choice(list(DIRS.values()))
         q = (player[0] + d[0], player[1] + d[1])
         if layout[q[0]][q[1]] == "#" or q in boxes:
@@ -218,10 +257,10 @@ def _generate(rng: random.Random, split: str):
     if room_split(layout, player, boxes) != split:
         return None
     try:
-        path = solve(layout, player, boxes)
+        path = solve(layout, player, boxes, cap=STATE_CAP * (1 + 4 * (count > 2)))
     except ValueError:
         return None
-    if path is None or not MOVES_RANGE[0] <= len(path) <= MOVES_RANGE[1]:
+    if path is None or not spec.moves[0] <= len(path) <= spec.moves[1]:
         return None
     return layout, player, boxes, len(path)
 
@@ -292,22 +331,29 @@ def room_split(layout, player: Pos, boxes) -> str:
     return "test" if int(stable_hash(key), 16) % 100 < TEST_PERCENT else "train"
 
 
-_ROOMS: dict[str, list] = {"train": [], "test": []}  # generated so far, per split
-_CURSOR = {"train": 0, "test": 0}  # next candidate index, per split
+_ROOMS: dict[tuple[str, Spec], list] = {}  # generated so far, per split and stream
+_CURSOR: dict[tuple[str, Spec], int] = {}  # next candidate index, per split and stream
 _LOCK = threading.Lock()
+MAX_CANDIDATES = 400  # candidates per room wanted before a stream counts as exhausted
 
 
-def rooms(split: str, count: int) -> list[tuple]:
-    """The first ``count`` rooms of ``split`` (generated lazily, always in the same order)."""
+def rooms(split: str, count: int, spec: Spec = Spec()) -> list[tuple]:
+    """The first ``count`` rooms of ``split`` in ``spec``'s stream (generated lazily, always in
+    the same order); fewer when the knobs allow fewer (none: a ValueError line)."""
+    stream = f"sokoban:{split}:{spec.label}:" if spec.label else f"sokoban:{split}:"
+    key = (split, spec)
     with _LOCK:
-        found = _ROOMS[split]
+        found = _ROOMS.setdefault(key, [])
         seen = {room[:3] for room in found}
-        while len(found) < count:
-            room = _generate(random.Random(f"sokoban:{split}:{_CURSOR[split]}"), split)
-            _CURSOR[split] += 1
+        while len(found) < count and _CURSOR.get(key, 0) < MAX_CANDIDATES * max(count, 10):
+            index = _CURSOR[key] = _CURSOR.get(key, 0) + 1
+            room = _generate(random.Random(f"{stream}{index - 1}"), split, spec)
             if room is not None and room[:3] not in seen:
                 seen.add(room[:3])
                 found.append(room)
+        if not found:
+            raise ValueError(f"sokoban: no room has the knobs {spec.label} (try fewer boxes, "
+                             "a larger size or a wider moves range)")
         return found[:count]
 
 
@@ -406,6 +452,8 @@ class SokobanEnv(ValueSnapshots, TextEnv):
     @staticmethod
     def make_task(layout, player, boxes, optimal: int, split: str, task_id: str, seed: int = 0):
         room = render(SokobanState(layout, player, boxes)).split("\n")
+        data = {"room": room, "optimal": optimal, "boxes": len(boxes),
+                "size": [len(layout) - 2, len(layout[0]) - 2], "level": min(len(boxes), 3)}
         return Task(
             env="sokoban",
             task_id=task_id,
@@ -417,16 +465,21 @@ class SokobanEnv(ValueSnapshots, TextEnv):
                 "box pushes it one cell, boxes cannot be pulled, and a box against a wall or another "
                 f"box does not move. It can be solved in {optimal} moves."
             ),
-            data={"room": room, "optimal": optimal},
+            data=data,
         )
 
     @classmethod
-    def tasks(cls, split: str, limit: int | None = None) -> list[Task]:
-        if split not in SPLIT_SIZES:
-            raise ValueError(f"sokoban has splits 'train' and 'test', not {split!r}")
+    def tasks(cls, split: str, limit: int | None = None, *, level: Any = None, size: Any = None,
+              boxes: Any = None, moves: Any = None) -> list[Task]:
+        """The split's rooms; the knobs (also in ``split``) are in the module docstring."""
+        given = {"level": level, "size": size, "boxes": boxes, "moves": moves}
+        split, knobs = task_knobs("sokoban", split, given, KNOBS, tuple(SPLIT_SIZES))
         count = SPLIT_SIZES[split] if limit is None else min(limit, SPLIT_SIZES[split])
-        return [cls.make_task(*room, split=split, task_id=f"sokoban-{split}-{i}", seed=i)
-                for i, room in enumerate(rooms(split, count))]
+        spec = spec_of(knobs)
+        name = (lambda i, room: f"sokoban-{split}-{i}") if not knobs else \
+            (lambda i, room: f"sokoban-{split}-{stable_hash(room[:3])}")
+        return [cls.make_task(*room, split=split, task_id=name(i, room), seed=i)
+                for i, room in enumerate(rooms(split, count, spec))]
 
     @classmethod
     def task_from_dict(cls, row: dict[str, Any]) -> Task:

@@ -142,10 +142,11 @@ def test_oracle_demos_round_trip_through_openmanus(tmp_path):
     rows = sft_rows(results)
     assert len(rows) == 4
     src = tmp_path / "om.jsonl"
-    src.write_text("".join(json.dumps({"id": r["task_id"], "conversations": r["messages"]}) + "\n"
-                           for r in rows))
+    turns = [[{"role": m["role"], "content": m["content"]} for m in r["messages"]] for r in rows]
+    src.write_text("".join(json.dumps({"id": r["task_id"], "conversations": t}) + "\n"
+                           for r, t in zip(rows, turns)))
     back = openmanus_rows(src)
-    assert [b["messages"] for b in back] == [r["messages"] for r in rows]
+    assert [b["messages"] for b in back] == turns
     replies = [m["content"] for b in back for m in b["messages"] if m["role"] == "assistant"]
     assert all(re.match(r"Think: [^\n]*\d[^\n]*\nAct: \S", c) for c in replies)
     assert not any("Following the plan." in c for c in replies)

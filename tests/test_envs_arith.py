@@ -144,7 +144,7 @@ def test_jsonl_loading(tmp_path):
     good.write_text('{"numbers": [4, 6, 1, 1], "task_id": "mine"}\n\n{"numbers": [3, 3, 8, 8]}\n')
     tasks = game24.Game24Env.load_tasks(good)
     assert [t.task_id for t in tasks] == ["mine", "game24-3-3-8-8"]
-    assert tasks[0].data == {"numbers": [1, 1, 4, 6], "target": 24}
+    assert tasks[0].data == {"numbers": [1, 1, 4, 6], "target": 24, "good_moves": 16, "level": 1}
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"numbers": [3, 3, 8, 8]}\n{"numbers": [3, 3, 8]}\n')

@@ -20,8 +20,8 @@ def _env(rows: list[str]) -> SokobanEnv:
 
 def test_generation_is_deterministic(monkeypatch):
     first = SokobanEnv.tasks("test", limit=15)
-    monkeypatch.setattr(sokoban, "_ROOMS", {"train": [], "test": []})
-    monkeypatch.setattr(sokoban, "_CURSOR", {"train": 0, "test": 0})
+    monkeypatch.setattr(sokoban, "_ROOMS", {})
+    monkeypatch.setattr(sokoban, "_CURSOR", {})
     assert SokobanEnv.tasks("test", limit=15) == first
     rng = lambda: random.Random("sokoban:train:7")  # noqa: E731
     assert sokoban._generate(rng(), "train") == sokoban._generate(rng(), "train")
@@ -44,9 +44,9 @@ def test_generated_rooms_are_bfs_solvable():
 
 def test_splits_are_disjoint():
     train, test = SokobanEnv.tasks("train"), SokobanEnv.tasks("test")
-    assert (len(train), len(test)) == (500, 100)
+    assert (len(train), len(test)) == (500, 200)
     rooms = {s: [tuple(t.data["room"]) for t in ts] for s, ts in (("train", train), ("test", test))}
-    assert len(set(rooms["train"])) == 500 and len(set(rooms["test"])) == 100
+    assert len(set(rooms["train"])) == 500 and len(set(rooms["test"])) == 200
     assert not set(rooms["train"]) & set(rooms["test"])
     for split, rows in rooms.items():
         assert all(sokoban.room_split(*parse_room(list(r))) == split for r in rows)
