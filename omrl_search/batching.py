@@ -83,6 +83,12 @@ class WaitingRequests:
                 self._items.append((wait, slot))
                 self.seqs += req.params.n
 
+    def put_back(self, items: list[tuple[LMWait, int]]) -> None:
+        """Requests taken but not sent (a call before them is still running), oldest first."""
+        for wait, slot in reversed(items):
+            self._items.appendleft((wait, slot))
+            self.seqs += wait.requests[slot].params.n
+
     def take(self, cap: int | None, key: Callable[["GenRequest"], Any] | None = None
              ) -> list[tuple[LMWait, int]]:
         """Requests holding up to ``cap`` sequences (all with ``None``): the oldest (alone if it
@@ -213,47 +219,100 @@ def _shared(a: Any, b: Any) -> int:
 
 
 # --- making a call and checking its answer --------------------------------------------------------
-def timeout(call: BackgroundCall | None) -> LMTimeout:
-    took = f" after {time.perf_counter() - call.started:.2f}s" if call is not None else ""
+def timeout(call: BackgroundCall | None, at: float | None = None) -> LMTimeout:
+    """The fault of a request given up on at ``at`` (default now) while ``call`` ran."""
+    took = f" after {(at or time.perf_counter()) - call.started:.2f}s" if call is not None else ""
     return LMTimeout(f"LM call abandoned{took}: past the search's seconds budget or lm_timeout")
 
 
 def call_policy(generate: Callable[[list["GenRequest"]], Any], chunk: list["GenRequest"],
-                deadlines: list[float | None]) -> list[Any]:
+                deadlines: Sequence[float | None]) -> list[Any]:
     """``generate(chunk)``: per request its generations or the exception it failed with. A
     failed call is retried one request at a time, so a bad request fails alone. With
-    deadlines the call runs on a thread, waited for until each request's deadline: a request
-    past it fails with :class:`LMTimeout` (one whose deadline passed already is not sent), and
-    a call whose requests are all past theirs is abandoned."""
+    deadlines it is a :class:`TimedCall` waited for to the end."""
     if not chunk:
         return []
-    expired = [False] * len(chunk)
+    if any(d is not None for d in deadlines):
+        return TimedCall(generate, chunk, deadlines).advance(until_end=True)
     try:
-        if all(d is None for d in deadlines):
-            gens = generate(chunk)
-        else:
-            now = time.perf_counter()
-            live = [j for j, d in enumerate(deadlines) if d is None or d > now]
-            if len(live) < len(chunk):
-                out: list[Any] = [LMTimeout("the search's time was up before the LM call")] * len(chunk)
-                for j, g in zip(live, call_policy(generate, [chunk[j] for j in live],
-                                                  [deadlines[j] for j in live])):
-                    out[j] = g
-                return out
-            call = BackgroundCall(lambda: generate(chunk))
-            expired = wait_staged(call, deadlines)
-            if all(expired):
-                return [timeout(call)] * len(chunk)
-            gens = call.result()
-        if not isinstance(gens, (list, tuple)) or len(gens) != len(chunk):
-            got = f"{len(gens)} results" if isinstance(gens, (list, tuple)) else type(gens).__name__
-            raise RuntimeError(f"policy returned {got} for {len(chunk)} requests")
-        return [timeout(None) if e else g for g, e in zip(gens, expired)]
+        return _checked(generate(chunk), len(chunk))
     except Exception as exc:
-        if len(chunk) == 1:
-            return [exc]
-        return [r for j, req in enumerate(chunk)
-                for r in ([timeout(None)] if expired[j] else call_policy(generate, [req], [deadlines[j]]))]
+        return _alone(generate, chunk, deadlines, exc)
+
+
+def _checked(gens: Any, n: int) -> list[Any]:
+    if not isinstance(gens, (list, tuple)) or len(gens) != n:
+        got = f"{len(gens)} results" if isinstance(gens, (list, tuple)) else type(gens).__name__
+        raise RuntimeError(f"policy returned {got} for {n} requests")
+    return list(gens)
+
+
+def _alone(generate: Callable, chunk: list["GenRequest"], deadlines: Sequence[float | None],
+           exc: Exception) -> list[Any]:
+    """After a failed call: ``exc`` for a lone request, else each request called alone."""
+    if len(chunk) == 1:
+        return [exc]
+    return [call_policy(generate, [r], [d])[0] for r, d in zip(chunk, deadlines)]
+
+
+#: what :meth:`TimedCall.advance` gives a request not settled by this call of it
+NOT_YET = object()
+
+
+class TimedCall:
+    """A policy call whose requests have deadlines, run on a thread (:class:`BackgroundCall`).
+
+    :meth:`advance` waits until the call ends or the next deadline passes and settles what it
+    can: a request past its deadline fails with :class:`LMTimeout` (one already past it is not
+    sent at all), the others get their answer when the call ends. A call whose requests are
+    all settled by their deadlines is abandoned: it finishes in the background, unread."""
+
+    __slots__ = ("generate", "chunk", "deadlines", "settled", "live", "call")
+
+    def __init__(self, generate: Callable[[list["GenRequest"]], Any], chunk: list["GenRequest"],
+                 deadlines: Sequence[float | None]):
+        self.generate, self.chunk, self.deadlines = generate, chunk, list(deadlines)
+        now = time.perf_counter()
+        self.live = [j for j, d in enumerate(deadlines) if d is None or d > now]
+        self.settled = [False] * len(chunk)
+        live = [chunk[j] for j in self.live]
+        self.call = BackgroundCall(lambda: generate(live)) if live else None
+
+    @property
+    def done(self) -> bool:
+        return all(self.settled)
+
+    def advance(self, until_end: bool = False) -> list[Any]:
+        """Wait for the next deadline (``until_end``: for every one) or the call's end; per
+        request the answer settled now, or :data:`NOT_YET` (settled before, or still waiting)."""
+        out: list[Any] = [NOT_YET] * len(self.chunk)
+        for j in set(range(len(self.chunk))) - set(self.live):
+            if not self.settled[j]:
+                out[j], self.settled[j] = LMTimeout("the search's time was up before the LM call"), True
+        while not self.done:
+            todo = [j for j in self.live if not self.settled[j]]
+            when = min((self.deadlines[j] for j in todo if self.deadlines[j] is not None), default=None)
+            if self.call.wait(when):
+                for j, answer in zip(todo, self._answers(todo)):
+                    out[j], self.settled[j] = answer, True
+                break
+            for j in todo:
+                d = self.deadlines[j]
+                if d is not None and d <= when:
+                    out[j], self.settled[j] = timeout(self.call, d), True
+            if not until_end:
+                break
+        return out
+
+    def _answers(self, todo: list[int]) -> list[Any]:
+        """The finished call's answers of requests ``todo`` (a failed call: each retried)."""
+        try:
+            gens = _checked(self.call.result(), len(self.live))
+        except Exception as exc:
+            return _alone(self.generate, [self.chunk[j] for j in todo],
+                          [self.deadlines[j] for j in todo], exc)
+        by_index = dict(zip(self.live, gens))
+        return [by_index[j] for j in todo]
 
 
 def _real(x: Any) -> bool:

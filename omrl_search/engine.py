@@ -39,8 +39,8 @@ from collections import deque
 from typing import Any, Callable, Iterable, Sequence
 
 from .agent import ReActFormat, TurnEncoder
-from .batching import (SCHEDULES, BackgroundCall, LMWait, WaitingRequests, call_policy, checked_scores,
-                       prompt_key, timeout, wait_staged, well_formed)
+from .batching import (NOT_YET, SCHEDULES, BackgroundCall, LMWait, TimedCall, WaitingRequests,
+                       call_policy, checked_scores, prompt_key, timeout, wait_staged, well_formed)
 from .budget import Budget, BudgetExhausted
 from .env import Env, make_env
 from .env_driver import EnvDriver
@@ -58,8 +58,21 @@ __all__ = ["DEFAULT_MAX_FAULTS", "DEFAULT_MAX_NODES", "Engine", "SearchContext"]
 DEFAULT_MAX_NODES = 20_000
 DEFAULT_MAX_FAULTS = 1_000
 
-#: one driver step's work: LM requests, evaluations and scorings (by tree)
-Served = tuple[list[tuple[LMWait, int]], list[tuple[int, EvaluateOp]], list[tuple[int, ScoreOp]]]
+
+
+class Round:
+    """One driver step's work: LM requests, evaluations and scorings (by tree). Serving it
+    may leave ``pending`` a timed policy call still running for requests whose deadline has
+    not passed, and ``unserved`` the requests of later calls, put back to wait."""
+
+    __slots__ = ("lm", "evals", "scores", "pending", "unserved")
+
+    def __init__(self, lm: list[tuple[LMWait, int]], evals: list[tuple[int, EvaluateOp]] = (),
+                 scores: list[tuple[int, ScoreOp]] = ()):
+        self.lm, self.evals, self.scores = lm, list(evals), list(scores)
+        self.pending: tuple[TimedCall, list[tuple[LMWait, int]]] | None = None
+        self.unserved: list[tuple[LMWait, int]] = []
+
 _SKIPPED = object()  # the answer of a request the engine did not send (a node it would not expand)
 
 
@@ -169,25 +182,56 @@ class Engine:
         )
 
     # --- serving: policy calls and reward-model calls ---------------------------------------
-    def _serve(self, step: Served) -> dict[int, Any]:
+    def _serve(self, step: Round) -> dict[int, Any]:
         """One driver step: the step's LM requests (one policy call per ``max_batch``
         sequences), its evaluations (one reward-model call) and scorings (one ``policy.score``
-        call). Returns the answers of the ops now complete, by tree."""
-        lm, evals, scores = step
+        call). Returns the answers of the ops now complete, by tree. A call with deadlines
+        returns at the first one that passes, answering the requests past it; the call is left
+        in ``step.pending`` and the later calls' requests in ``step.unserved``."""
         answers: dict[int, Any] = {}
+        lm = step.lm
         if lm:
             if self.prefix_order:
                 lm = sorted(lm, key=lambda item: prompt_key(item[0].requests[item[1]]))
-            gens = self._generate([wait.requests[slot] for wait, slot in lm],
-                                  [self._deadline(wait) for wait, _ in lm])
-            for (wait, slot), g in zip(lm, gens):
-                if wait.answer(slot, g):
-                    answers[wait.i] = self._answer_safely(wait)
-        if evals:
-            answers.update(self._evaluate_all(evals))
-        if scores:
-            answers.update(self._score_all(scores))
+            requests = [wait.requests[slot] for wait, slot in lm]
+            deadlines = [self._deadline(wait) for wait, _ in lm]
+            for chunk in self._chunks(requests):
+                items = [lm[j] for j in chunk]
+                if step.pending is not None:
+                    step.unserved += items
+                    continue
+                reqs, ds = [requests[j] for j in chunk], [deadlines[j] for j in chunk]
+                if all(d is None for d in ds):
+                    got = call_policy(self.policy.generate, reqs, ds)
+                else:
+                    timed = TimedCall(self.policy.generate, reqs, ds)
+                    got = timed.advance()
+                    if not timed.done:
+                        step.pending = (timed, items)
+                self._deliver(items, got, answers)
+        if step.evals:
+            answers.update(self._evaluate_all(step.evals))
+        if step.scores:
+            answers.update(self._score_all(step.scores))
         return answers
+
+    def _deliver(self, items: list[tuple[LMWait, int]], got: list[Any], answers: dict[int, Any]) -> None:
+        """Record each answered request (NOT_YET: not yet) and the answers of ops now complete."""
+        for (wait, slot), g in zip(items, got):
+            if g is not NOT_YET and wait.answer(slot, g):
+                answers[wait.i] = self._answer_safely(wait)
+
+    def _chunks(self, requests: list[GenRequest]) -> list[list[int]]:
+        """Request indices in calls of at most ``max_batch`` sequences (a request is never split)."""
+        chunks: list[list[int]] = [[]]
+        seqs = 0
+        for j, req in enumerate(requests):
+            if chunks[-1] and seqs + req.params.n > self.policy.max_batch:
+                chunks.append([])
+                seqs = 0
+            chunks[-1].append(j)
+            seqs += req.params.n
+        return chunks if chunks[0] else []
 
     def _deadline(self, wait: LMWait, start: float | None = None) -> float | None:
         """When a request of ``wait`` must be answered by: its search's ``seconds`` budget, or
@@ -206,17 +250,9 @@ class Engine:
         if deadlines is None:
             deadlines = [None] * len(requests)
         out: list[list[Generation] | Exception] = []
-        chunk: list[int] = []
-        seqs = 0
-        for j in range(len(requests) + 1):
-            req = requests[j] if j < len(requests) else None
-            if req is None or (chunk and seqs + req.params.n > self.policy.max_batch):
-                out += call_policy(self.policy.generate, [requests[c] for c in chunk],
-                                   [deadlines[c] for c in chunk])
-                chunk, seqs = [], 0
-            if req is not None:
-                chunk.append(j)
-                seqs += req.params.n
+        for chunk in self._chunks(requests):
+            out += call_policy(self.policy.generate, [requests[j] for j in chunk],
+                               [deadlines[j] for j in chunk])
         return out
 
     def _evaluate_all(self, ops: list[tuple[int, EvaluateOp]]) -> dict[int, list[float]]:
@@ -400,7 +436,8 @@ class _Run:
     coroutine) and what each waits on; :meth:`loop` serves them until every task has a result."""
 
     __slots__ = ("engine", "strategy", "budget", "on_result", "queue", "results", "limit", "live",
-                 "waiting", "evals", "scores", "ready", "inflight", "streaming", "collecting")
+                 "waiting", "evals", "scores", "ready", "inflight", "streaming", "collecting",
+                 "pending")
 
     def __init__(self, engine: Engine, strategy: Any, tasks: Iterable[Task], budget: Budget,
                  concurrency: int | None, on_result: Callable[[SearchResult], None] | None):
@@ -417,6 +454,7 @@ class _Run:
         self.inflight: dict[int, tuple[LMWait, int, float | None]] = {}
         self.streaming = engine.schedule == "continuous" and bool(getattr(engine.policy, "streams", False))
         self.collecting: BackgroundCall | None = None  # a timed collect() still running
+        self.pending: tuple[TimedCall, list[tuple[LMWait, int]]] | None = None  # a timed call running
 
     def loop(self) -> list[SearchResult]:
         engine = self.engine
@@ -428,11 +466,19 @@ class _Run:
                 for i, value in now:
                     self.advance(i, value)
                 continue
-            if not (self.waiting or self.evals or self.scores or self.inflight):
+            if not (self.waiting or self.evals or self.scores or self.inflight or self.pending):
                 if self.live:  # every live search waits on something: a driver bug
                     raise RuntimeError("engine: live searches with nothing to serve")
                 continue
-            answers = self.stream() if self.streaming else engine._serve(self.next_step())
+            if self.pending is not None:
+                answers = self.resume()
+            elif self.streaming:
+                answers = self.stream()
+            else:
+                step = self.next_step()
+                answers = engine._serve(step)
+                self.pending = step.pending
+                self.waiting.put_back(step.unserved)
             for i in sorted(answers):
                 self.advance(i, answers[i])
         return self.results  # type: ignore[return-value]
@@ -495,7 +541,17 @@ class _Run:
             else:
                 self.ready.append((i, self.engine._answer_safely(wait)))
 
-    def next_step(self) -> Served:
+    def resume(self) -> dict[int, Any]:
+        """Wait on the timed call still running (to its next deadline or its end)."""
+        timed, items = self.pending  # type: ignore[misc]
+        got = timed.advance()
+        if timed.done:
+            self.pending = None
+        answers: dict[int, Any] = {}
+        self.engine._deliver(items, got, answers)
+        return answers
+
+    def next_step(self) -> Round:
         """What the engine serves next: LM requests taken from ``waiting`` and evaluations
         taken from ``evals``. ``lockstep``: everything. ``continuous``: the pending evaluations
         while fewer than ``max_batch`` sequences wait (their trees may top the next call up),
@@ -503,10 +559,10 @@ class _Run:
         in prompt order, or the next oldest."""
         engine, waiting = self.engine, self.waiting
         if engine.schedule == "lockstep":
-            return waiting.take(None), *self.side_work()
+            return Round(waiting.take(None), *self.side_work())
         if (self.evals or self.scores) and waiting.seqs < engine.policy.max_batch:
-            return [], *self.side_work()
-        return waiting.take(engine.policy.max_batch, prompt_key if engine.prefix_order else None), [], []
+            return Round([], *self.side_work())
+        return Round(waiting.take(engine.policy.max_batch, prompt_key if engine.prefix_order else None))
 
     def side_work(self) -> tuple[list[tuple[int, EvaluateOp]], list[tuple[int, ScoreOp]]]:
         """The pending evaluations and scorings, taken."""
@@ -565,8 +621,8 @@ class _Run:
             else:
                 call = self.collecting or BackgroundCall(policy.collect)
                 expired = wait_staged(call, deadlines)
-                late = {t for t, e in zip(inflight, expired) if e}
-                fail = [(t, timeout(call)) for t in late]
+                late = {t: d for (t, (_, _, d)), e in zip(inflight.items(), expired) if e}
+                fail = [(t, timeout(call, d)) for t, d in late.items()]
                 if late and len(late) == len(inflight):  # left running; looked at again next time
                     self.collecting = call
                     return fail
