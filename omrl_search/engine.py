@@ -143,24 +143,26 @@ class Engine:
         task whose env could not be reset."""
         t0 = time.perf_counter()
         b = budget.fresh()
+        envs = None
         try:
             env, obs, snap = EnvDriver.open(self.env_factory, task)
+            tree = SearchTree(task, obs, snap)
+            envs = EnvDriver(env, tree, b, [], self.max_depth or getattr(env, "max_steps", 20))
+            prompts = self.format.prompts(env, task, tree, self.encoder)
+            constraint = Constraint(self.constrain, self._mode, prompts, envs, self._mode_note)
         except Exception as exc:
+            if envs is not None:
+                envs.close()
+            if isinstance(exc, ConstraintError):  # a setting that cannot be honoured: the run's error
+                raise
             tree = SearchTree(task, "", None)
+            where = "env reset" if envs is None else "engine"
             tree.root.status, tree.root.error = FAILED, f"{type(exc).__name__}: {exc}"
             b.stop_clock()
             return SearchResult(task=task, strategy=strategy.spec(), tree=tree, best=None,
                                 success=False, spent=b.spent.as_dict(),
-                                faults=[f"env reset: {tree.root.error}"], stop_reason="error",
+                                faults=[f"{where}: {tree.root.error}"], stop_reason="error",
                                 seconds=time.perf_counter() - t0)
-        tree = SearchTree(task, obs, snap)
-        envs = EnvDriver(env, tree, b, [], self.max_depth or getattr(env, "max_steps", 20))
-        try:
-            prompts = self.format.prompts(env, task, tree, self.encoder)
-            constraint = Constraint(self.constrain, self._mode, prompts, envs, self._mode_note)
-        except BaseException:
-            envs.close()
-            raise
         return SearchContext(self, task, tree, b, _mix(self.seed, task.task_id), envs, prompts,
                              constraint)
 
@@ -399,26 +401,39 @@ class Engine:
 
 
     # --- scoring given completions (policy priors) -------------------------------------------
-    def _score_all(self, ops: list[tuple[int, ScoreOp]]) -> dict[int, list[list[float]]]:
+    def _score_request(self, ctx: SearchContext, node: Node) -> GenRequest:
+        """The request whose completions ``Policy.score`` scores: ``node``'s step prompt (with
+        the grammar an expansion there would carry)."""
+        messages, _, prompt_ids = ctx.prompts.step(node)
+        grammar = ctx.constraint.grammar(node, count=False)[0] if ctx.constraint is not None else None
+        meta = {"task": ctx.task, "snapshot": node.snapshot, "env": ctx.task.env, "score": True}
+        return GenRequest(messages, SamplingParams(1.0, 1.0, 0, (), 1, None), prompt_ids, meta, grammar)
+
+    def _score_all(self, ops: list[tuple[int, ScoreOp]]) -> dict[int, Any]:
         """Every pending scoring in one ``policy.score`` call: per tree, per node, the total
         logprob of each completion. Each node's prompt is one request (its completions share
         it) charged one LM call and the tokens read; a failed call scores every completion 0
         (uniform priors) and is a fault of each search."""
-        flat = [(i, op.ctx, node, comps) for i, op in ops for node, comps in zip(op.nodes, op.completions)]
-        requests = []
-        for _, ctx, node, comps in flat:
-            messages, _, prompt_ids = ctx.prompts.step(node)
-            grammar = ctx.constraint.grammar(node)[0] if ctx.constraint is not None else None
-            meta = {"task": ctx.task, "snapshot": node.snapshot, "env": ctx.task.env, "score": True}
-            requests.append(GenRequest(messages, SamplingParams(1.0, 1.0, 0, (), 1, None),
-                                       prompt_ids, meta, grammar))
+        flat, requests, out = [], [], {}
+        for i, op in ops:
+            try:
+                built = [self._score_request(op.ctx, node) for node in op.nodes]
+            except ConstraintError:
+                raise
+            except Exception as exc:  # a prompt that cannot be built ends its own search
+                out[i] = _Crashed(exc)
+                continue
+            out[i] = []
+            flat += [(i, op.ctx, node, comps) for node, comps in zip(op.nodes, op.completions)]
+            requests += built
+        if not flat:
+            return out
         try:
             got = self.policy.score(requests, [comps for *_, comps in flat])
             if not isinstance(got, (list, tuple)) or len(got) != len(flat):
                 raise RuntimeError(f"policy.score returned {type(got).__name__} for {len(flat)} requests")
         except Exception as exc:
             got = [exc] * len(flat)
-        out: dict[int, list[list[float]]] = {i: [] for i, _ in ops}
         for (i, ctx, node, comps), req, scores in zip(flat, requests, got):
             ctx.budget.charge(lm_calls=1, prompt_tokens=len(req.prompt_ids or ())
                               + sum(len(ctx.prompts.encode(c)) for c in comps))

@@ -202,10 +202,11 @@ class Constraint:
         if text not in self.notes and len(self.notes) < 8:
             self.notes.append(text)
 
-    def grammar(self, node: "Node") -> tuple[Grammar | None, str]:
+    def grammar(self, node: "Node", count: bool = True) -> tuple[Grammar | None, str]:
         """The grammar of an expansion at ``node`` and, when the node cannot be expanded under
         the constraint asked (``actions`` where the env lists no action), the fault ("" if
-        none): no request is sent then."""
+        none): no request is sent then. ``count``: a fallback to the format is counted (once
+        per request)."""
         mode = self.mode
         if mode == "none":
             return None, ""
@@ -217,7 +218,7 @@ class Constraint:
         if got is _SKIP:
             return None, f"constrain=actions: no valid action at node {node.id}"
         if got is None:
-            self.counts["fallbacks"] += 1
+            self.counts["fallbacks"] += count
             return self._frame(), ""
         return got, ""
 

@@ -275,3 +275,15 @@ def test_a_memory_error_in_a_strategy_is_its_own_tasks_fault():
     results = Engine(OraclePolicy(0.0)).run(Hog(), TASKS[:2])
     assert results[0].faults == ["strategy: MemoryError: "] and results[0].stop_reason == "error"
     assert results[1].success
+
+
+def test_a_search_that_cannot_start_is_its_own_tasks_fault():
+    class NoPrompts(ReActFormat):
+        def prompts(self, env, task, tree, encoder):
+            if task.task_id == TASKS[0].task_id:
+                raise MemoryError("no room for prompts")
+            return super().prompts(env, task, tree, encoder)
+
+    results = Engine(OraclePolicy(0.0), agent_format=NoPrompts()).run(om.make_strategy("react"), TASKS[:2])
+    assert results[0].faults == ["engine: MemoryError: no room for prompts"]
+    assert results[0].stop_reason == "error" and results[1].success
