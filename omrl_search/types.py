@@ -2,7 +2,7 @@
 
 They are slotted dataclasses so the search's hot path stays cheap; validation happens at the
 boundaries (files, CLI, HTTP) through pydantic ``TypeAdapter``s over these same classes
-(see :mod:`omrl_search.io`).
+(see :mod:`omrl_search.result`).
 """
 from __future__ import annotations
 
