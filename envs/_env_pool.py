@@ -27,6 +27,8 @@ from typing import Any, Callable, Iterator
 from omrl_search.env import Env, EnvError, env_class, make_env
 from omrl_search.types import Snapshot, Task
 
+from ._agentgym import scorer, worded
+
 PROTOCOL = "omrl-env/1"  # what /info answers, so clients can tell this server from AgentGym's
 _ENDED_KEPT = 10_000  # closed/expired ids remembered, to answer 410 instead of 404
 _SHOWN = 300  # characters of an env's error message shown (a rejected task may quote megabytes)
@@ -95,6 +97,7 @@ class EnvPool:
         self._tasks: dict[str, list[Task]] = {}
         self._running_late = 0  # calls past their time limit, still running
         self._work = Workers(f"omrl-env-{env}")
+        self._score = scorer(env)  # the episode score on the scale of the env's AgentGym server
 
     # --- env work under a time limit -----------------------------------------------------------
     def _deadline(self) -> float:
@@ -143,6 +146,29 @@ class EnvPool:
             idx = next(self._ids)
             self._slots[idx] = Slot(env, self.clock(), idx if family is None else family)
         return idx
+
+    def start(self, first_episode: bool = True) -> dict[str, Any]:
+        """A new env, as ``/create`` answers it: its id and, as AgentGym's TextCraft server
+        does, the first observation of task ``data_idx = id`` (modulo the test split's size)
+        when ``first_episode`` and the env has a task list (else an empty observation). If that
+        reset fails, the env is closed again and the error answered: nothing is left open."""
+        deadline = self._deadline()
+        idx = self.create(deadline=deadline)
+        out = {"id": idx, "observation": "", "reward": 0.0, "done": False}
+        if not first_episode or not self._has_tasks("test"):
+            return out
+        try:
+            first = self.reset(idx, data_idx=idx, split="test")
+        except ApiError:
+            self._close_quietly(idx)
+            raise
+        return {**out, "observation": first["observation"], "task_id": first["task_id"]}
+
+    def _close_quietly(self, idx: int) -> None:
+        try:
+            self.close(idx)
+        except ApiError:  # already discarded (a timeout) or closed
+            pass
 
     def _check_cap(self) -> None:
         """503 when the cap is reached (caller holds the pool lock)."""
@@ -235,7 +261,8 @@ class EnvPool:
             slot.lock.release()
 
     # --- episodes ----------------------------------------------------------------------------
-    def task_at(self, data_idx: int, split: str) -> Task:
+    def task_list(self, split: str) -> list[Task]:
+        """The env's own tasks of ``split``, loaded once (422 when it has none)."""
         tasks = self._tasks.get(split)
         if tasks is None:
             try:
@@ -245,10 +272,23 @@ class EnvPool:
                                     f"task dict (\"task\")") from None
             except ValueError as exc:
                 raise ApiError(422, _cut(str(exc))) from None
-        if not 0 <= data_idx < len(tasks):
-            raise ApiError(422, f"data_idx {data_idx} out of range: split {split!r} of {self.name} "
-                                f"has {len(tasks)} tasks (0..{len(tasks) - 1})")
-        return tasks[data_idx]
+            if not tasks:
+                raise ApiError(422, f"split {split!r} of {self.name} has no tasks")
+        return tasks
+
+    def _has_tasks(self, split: str) -> bool:
+        try:
+            return bool(self.task_list(split))
+        except ApiError:
+            return False
+
+    def task_at(self, data_idx: int, split: str) -> Task:
+        """Task ``data_idx`` of ``split``, any index >= 0 taken modulo the split's size (as
+        AgentGym's BabyAI server takes any index): clients iterate indices of their own."""
+        if data_idx < 0:
+            raise ApiError(422, f"data_idx must be >= 0, got {data_idx}")
+        tasks = self.task_list(split)
+        return tasks[data_idx % len(tasks)]
 
     def validate_task(self, body: dict[str, Any], deadline: float) -> Task:
         """A client's task dict (the fields of :class:`~omrl_search.types.Task`) checked by the
@@ -284,7 +324,10 @@ class EnvPool:
 
     def reset(self, idx: int, *, task: dict[str, Any] | None = None, data_idx: int | None = None,
               split: str = "test", snapshot: bool = False) -> dict[str, Any]:
-        """Start a task on env ``idx``: a client's task dict (validated) or ``data_idx``."""
+        """Start a task on env ``idx``: a client's task dict (validated) or ``data_idx``. A reset
+        by index answers as the env's AgentGym server does (:func:`envs._agentgym.worded`: the
+        goal in the observation, SciWorld's ``task_description``...); one with a task dict
+        answers the env's own observation, the instruction apart."""
         if task is None:
             chosen = self.task_at(data_idx, split)  # the env's own list, loaded once: not timed
             deadline = self._deadline()
@@ -300,8 +343,10 @@ class EnvPool:
 
             obs, key, snap = self._timed("reset", deadline, work, idx=idx, slot=slot, task=chosen)
             slot.task, slot.score, slot.done = chosen, 0.0, False
-            out = {"id": idx, "observation": obs, "reward": 0.0, "score": 0.0, "done": False,
-                   "task_id": chosen.task_id, "instruction": chosen.instruction, "state_key": key}
+            shown, extra = worded(self.name, chosen, obs, by_index=task is None)
+            out = {"id": idx, "observation": shown, "reward": 0.0, "score": 0.0, "done": False,
+                   "task_id": chosen.task_id, "instruction": chosen.instruction, "state_key": key,
+                   **extra}
             if snap is not None:
                 out["snapshot_id"] = self._store(idx, slot, snap)
             return out
@@ -321,7 +366,7 @@ class EnvPool:
                 return res, jsonable(res.info), env.state_key(), env.snapshot() if snapshot else None
 
             res, info, key, snap = self._timed("step", deadline, work, idx=idx, slot=slot)
-            slot.score += res.reward
+            slot.score = self._score(res, slot.score)
             slot.done = res.done
             out = {"observation": res.observation, "reward": res.reward, "score": slot.score,
                    "done": res.done, "terminated": res.terminated, "truncated": res.truncated,
@@ -335,6 +380,12 @@ class EnvPool:
         with self.use(idx, deadline) as slot:
             self._need_episode(idx, slot)
             return self._timed("observe", deadline, slot.env.observe, idx=idx, slot=slot)
+
+    def instruction(self, idx: int) -> str:
+        """The instruction of env ``idx``'s task (WebShop's ``/instruction_text``)."""
+        with self.use(idx) as slot:
+            self._need_episode(idx, slot)
+            return slot.task.instruction
 
     def query(self, idx: int, what: str) -> Any:
         """``valid_actions``, ``expert_action`` or ``heuristic`` of env ``idx``'s state."""

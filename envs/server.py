@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 from omrl_search.env import env_class
 
+from ._agentgym import hello, served
 from ._env_pool import PROTOCOL, ApiError, EnvPool
 
 MAX_ACTION_CHARS = 100_000
@@ -136,10 +137,10 @@ def create_app(env: str, *, max_envs: int = 64, idle_timeout: float = 600.0,
     """The FastAPI app serving ``env`` (models are built here so importing this module is cheap).
 
     ``token``: require ``Authorization: Bearer <token>`` on every request (None: no auth)."""
-    from fastapi import FastAPI, Request
+    from fastapi import Body, FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
-    from pydantic import BaseModel, ConfigDict, Field
+    from pydantic import BaseModel, ConfigDict, Field, model_validator
     from starlette.exceptions import HTTPException
 
     pool = EnvPool(env, max_envs=max_envs, idle_timeout=idle_timeout, max_snapshots=max_snapshots,
@@ -190,7 +191,22 @@ def create_app(env: str, *, max_envs: int = 64, idle_timeout: float = 600.0,
     on_env = (404, 410, 500, 503, 504)  # any call on an env id
 
     class EnvRef(Strict):
-        id: int = Field(description="the env id /create answered")
+        id: int | None = Field(None, description="the env id /create answered (required)")
+        env_idx: int | None = Field(None, description="WebShop's name for id (its clients send it)")
+
+        @model_validator(mode="after")
+        def _one_id(self):
+            if (self.id is None) == (self.env_idx is None):
+                raise ValueError("give the env id as id (or env_idx, WebShop's name for it), once")
+            return self
+
+        @property
+        def ref(self) -> int:
+            return self.id if self.id is not None else self.env_idx
+
+    class CreateBody(Strict):  # TextCraft's client sends {minecraft_dir, commands, goal}: ignored
+        first_episode: bool = Field(True, description="start task data_idx=id and answer its "
+                                                      "observation, as AgentGym's TextCraft does")
 
     class TaskBody(Strict):
         env: str | None = None
@@ -201,7 +217,9 @@ def create_app(env: str, *, max_envs: int = 64, idle_timeout: float = 600.0,
         data: dict[str, Any] = {}
 
     class ResetBody(EnvRef):
-        data_idx: int | None = Field(None, description="index into the env's task list of `split`")
+        data_idx: int | None = Field(None, description="index into the env's task list of `split` "
+                                                       "(any index >= 0, taken modulo its size)")
+        session_id: int | None = Field(None, description="WebShop's name for data_idx")
         split: str = "test"
         task: TaskBody | None = Field(None, description="a full task instead of data_idx, checked by "
                                                         "the env's task_from_dict")
@@ -220,6 +238,11 @@ def create_app(env: str, *, max_envs: int = 64, idle_timeout: float = 600.0,
     class Created(BaseModel):
         id: int
         env: str
+        observation: str = Field(description="the first task's observation ('' when the env has no "
+                                             "task list or first_episode is false)")
+        reward: float
+        done: bool
+        task_id: str | None = None
 
     class Closed(BaseModel):
         id: int
@@ -235,11 +258,16 @@ def create_app(env: str, *, max_envs: int = 64, idle_timeout: float = 600.0,
         instruction: str
         state_key: str
         snapshot_id: str | None = None
+        task_name: str | None = Field(None, description="SciWorld: ScienceWorld's task name")
+        var_num: int | None = Field(None, description="SciWorld: the task's variation")
+        task_description: str | None = Field(None, description="SciWorld: the task, which its "
+                                                               "client shows before the observation")
 
     class StepOut(BaseModel):
         observation: str
         reward: float
-        score: float = Field(description="reward summed over the episode")
+        score: float = Field(description="the episode's score on the env's AgentGym scale: "
+                                         "ScienceWorld's 0-100 for sciworld, else summed reward")
         done: bool = Field(description="terminated or truncated (AgentGym's one flag)")
         terminated: bool = Field(description="the task reached an end state")
         truncated: bool = Field(description="the episode was cut (a step limit)")
@@ -248,6 +276,8 @@ def create_app(env: str, *, max_envs: int = 64, idle_timeout: float = 600.0,
         info: dict[str, Any]
         state_key: str
         snapshot_id: str | None = None
+        state: str | None = Field(None, description="the observation again, under WebShop's name "
+                                                    "(sent when the request named env_idx)")
 
     class SnapshotOut(BaseModel):
         snapshot_id: str
@@ -287,71 +317,103 @@ def create_app(env: str, *, max_envs: int = 64, idle_timeout: float = 600.0,
         parts = [f"{'.'.join(str(p) for p in e['loc'][1:]) or e['loc'][0]}: {e['msg']}" for e in errors]
         return error(422, "bad request: " + "; ".join(parts))
 
-    @app.post("/create", response_model=Created, responses=answers(400, 413, 503, 504, links={
+    webshop = served(env) == "WebShop"  # WebShop's env_idx dialect: /create answers a bare id
+
+    def env_id(id: int | None = None, env_idx: int | None = None) -> int:  # noqa: A002
+        """The env id of a GET query: ``?id=`` (AgentGym's id servers) or ``?env_idx=`` (WebShop)."""
+        if (id is None) == (env_idx is None):
+            raise ApiError(422, "bad request: give the env id as the query parameter id (or "
+                                "env_idx, WebShop's name for it), once")
+        return id if id is not None else env_idx
+
+    @app.get("/", response_model=str, summary="which env this serves, as AgentGym's servers say it")
+    def root():
+        return hello(env)
+
+    @app.post("/create", response_model=int if webshop else Created, response_model_exclude_none=True,
+              responses=answers(400, 413, 422, 503, 504, links=None if webshop else {
                   "reset": link("reset", "$response.body#/id", data_idx=0, snapshot=True),
                   "close": link("close", "$response.body#/id")}),
-              summary="create an env (no body needed)")
-    def create():
-        return {"id": pool.create(), "env": env}
+              summary="create an env: its id and first observation (WebShop: the bare id)")
+    def create(body: CreateBody | None = Body(None)):
+        if webshop:
+            return pool.start(first_episode=False)["id"]
+        return {"env": env, **pool.start(first_episode=body is None or body.first_episode)}
 
-    @app.post("/reset", response_model=ResetOut, response_model_exclude_none=True,
+    @app.post("/reset", response_model=ResetOut | tuple[str, None], response_model_exclude_none=True,
               responses=answers(*posted, *on_env, 409, links=live("$response.body#/id",
                                                                    "$response.body#/snapshot_id")),
               summary="start a task: data_idx into the split's task list, or a full task")
     def reset(body: ResetBody):
-        if (body.data_idx is None) == (body.task is None):
+        index = body.data_idx if body.data_idx is not None else body.session_id
+        if (index is None) == (body.task is None) or None not in (body.data_idx, body.session_id):
             raise ApiError(422, "give either data_idx (with split) or task, not both or neither")
         task = None if body.task is None else body.task.model_dump()
-        return pool.reset(body.id, task=task, data_idx=body.data_idx, split=body.split,
-                          snapshot=body.snapshot)
+        out = pool.reset(body.ref, task=task, data_idx=index, split=body.split, snapshot=body.snapshot)
+        return (out["observation"], None) if body.env_idx is not None else out  # WebShop's answer
 
     @app.post("/step", response_model=StepOut, response_model_exclude_none=True,
               responses=answers(*posted, *on_env, 409, links=live("$request.body#/id",
                                                                    "$response.body#/snapshot_id")))
     def step(body: StepBody):
-        return pool.step(body.id, body.action, body.snapshot)
+        out = pool.step(body.ref, body.action, body.snapshot)
+        return {**out, "state": out["observation"]} if body.env_idx is not None else out
 
     @app.get("/observation", response_model=str, responses=answers(422, *on_env, 409),
              summary="the current observation (a string)")
-    def observation(id: int):  # noqa: A002 - AgentGym's query parameter name
-        return pool.observation(id)
+    def observation(id: int | None = None, env_idx: int | None = None):  # noqa: A002 - AgentGym's name
+        return pool.observation(env_id(id, env_idx))
 
     @app.post("/close", response_model=Closed, responses=answers(*posted, 404, 410, 503))
     def close(body: EnvRef):
-        pool.close(body.id)
-        return {"id": body.id, "closed": True}
+        pool.close(body.ref)
+        return {"id": body.ref, "closed": True}
 
     @app.post("/snapshot", response_model=SnapshotOut, responses=answers(
               *posted, *on_env, 409, links=live("$request.body#/id", "$response.body#/snapshot_id")),
               summary="store a snapshot on the server (usable by this env and its forks)")
     def snapshot(body: EnvRef):
-        return pool.snapshot(body.id)
+        return pool.snapshot(body.ref)
 
     @app.post("/restore", response_model=RestoreOut, responses=answers(*posted, *on_env, 409),
               summary="restore a stored snapshot of this env or its family")
     def restore(body: RestoreBody):
-        return pool.restore(body.id, body.snapshot_id)
+        return pool.restore(body.ref, body.snapshot_id)
 
     @app.post("/fork", response_model=ForkOut,
               responses=answers(*posted, *on_env, 409, links=live("$response.body#/id")),
               summary="a new env in this env's state")
     def fork(body: ForkBody):
-        return pool.fork(body.id, body.snapshot_id)
+        return pool.fork(body.ref, body.snapshot_id)
 
     @app.get("/valid_actions", responses=answers(422, *on_env, 409),
              summary="admissible actions (null when the env cannot list them)")
-    def valid_actions(id: int) -> list[str] | None:  # noqa: A002
-        return pool.query(id, "valid_actions")
+    def valid_actions(id: int | None = None, env_idx: int | None = None) -> list[str] | None:  # noqa: A002
+        return pool.query(env_id(id, env_idx), "valid_actions")
 
     @app.get("/expert_action", responses=answers(422, *on_env, 409),
              summary="the expert solver's next action (null if none)")
-    def expert_action(id: int) -> str | None:  # noqa: A002
-        return pool.query(id, "expert_action")
+    def expert_action(id: int | None = None, env_idx: int | None = None) -> str | None:  # noqa: A002
+        return pool.query(env_id(id, env_idx), "expert_action")
 
     @app.get("/heuristic", responses=answers(422, *on_env, 409),
              summary="the env's heuristic value of the state (404 if it has none)")
-    def heuristic(id: int) -> float:  # noqa: A002
-        return pool.query(id, "heuristic")
+    def heuristic(id: int | None = None, env_idx: int | None = None) -> float:  # noqa: A002
+        return pool.query(env_id(id, env_idx), "heuristic")
+
+    if webshop:
+        @app.get("/available_actions", responses=answers(422, *on_env, 409),
+                 summary="WebShop: {has_search_bar, clickables} of the current page")
+        def available_actions(id: int | None = None, env_idx: int | None = None) -> dict[str, Any]:  # noqa: A002
+            listed = pool.query(env_id(id, env_idx), "valid_actions") or []
+            search = any(a.startswith("search[") for a in listed)
+            clicks = [a[len("click["):-1] for a in listed if a.startswith("click[") and a.endswith("]")]
+            return {"has_search_bar": search, "clickables": ["search"] * search + clicks}
+
+        @app.get("/instruction_text", response_model=str, responses=answers(422, *on_env, 409),
+                 summary="WebShop: the instruction of the current task")
+        def instruction_text(id: int | None = None, env_idx: int | None = None):  # noqa: A002
+            return pool.instruction(env_id(id, env_idx))
 
     @app.get("/info", responses=answers(), summary="the env's name, action syntax, horizon and capabilities")
     def info() -> dict[str, Any]:

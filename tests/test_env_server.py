@@ -162,7 +162,7 @@ def test_eight_concurrent_clients_never_see_each_others_state(urls):
 def test_bad_requests_get_4xx_with_a_clear_message_and_the_server_keeps_serving(urls):
     url = urls["game24"]
     c = httpx.Client(base_url=url, timeout=10)
-    fresh = c.post("/create").json()["id"]
+    fresh = c.post("/create", json={"first_episode": False}).json()["id"]  # no episode yet
     closed = c.post("/create").json()["id"]
     assert c.post("/close", json={"id": closed}).json() == {"id": closed, "closed": True}
     cases = [
@@ -173,13 +173,15 @@ def test_bad_requests_get_4xx_with_a_clear_message_and_the_server_keeps_serving(
         ("POST", "/step", {"id": fresh, "action": "4 * 6"}, 409, "POST /reset first"),
         ("POST", "/step", {"id": closed, "action": "4 * 6"}, 410, f"env {closed} was closed"),
         ("GET", f"/observation?id={closed}", None, 410, "was closed"),
-        ("POST", "/reset", {"id": fresh, "data_idx": 100000}, 422, "data_idx 100000 out of range"),
+        ("POST", "/reset", {"id": fresh, "data_idx": -1}, 422, "data_idx must be >= 0"),
+        ("POST", "/reset", {"id": fresh, "data_idx": 0, "session_id": 0}, 422, "either data_idx"),
+        ("POST", "/step", {"id": fresh, "env_idx": fresh, "action": "4 * 6"}, 422, "give the env id"),
         ("POST", "/reset", {"id": fresh, "data_idx": 0, "split": "dev"}, 422, "not 'dev'"),
         ("POST", "/reset", {"id": fresh}, 422, "either data_idx"),
         ("POST", "/reset", {"id": fresh, "task": {"task_id": "t", "data": {}}}, 422, "rejected by env game24"),
         ("POST", "/reset", {"id": fresh, "task": {"env": "countdown", "task_id": "t"}}, 422, "serves 'game24'"),
         ("POST", "/restore", {"id": fresh, "snapshot_id": "s-none"}, 404, "snapshot 's-none' not found"),
-        ("GET", "/observation", None, 422, "id: Field required"),
+        ("GET", "/observation", None, 422, "give the env id as the query parameter id"),
     ]
     for method, path, body, status, needle in cases:
         if isinstance(body, bytes):
