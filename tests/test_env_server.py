@@ -25,6 +25,7 @@ from envs.server import create_app
 from omrl_search.backends.scripted import OraclePolicy
 from omrl_search.cli import main
 from omrl_search.env import EnvError, env_class, make_env
+from omrl_search.types import Task
 
 ROOT = Path(__file__).resolve().parents[1]
 ORACLE = "scripted:oracle:p=0.3"
@@ -101,6 +102,8 @@ def test_snapshot_payload_replays_locally_and_pickles(urls):
     assert isinstance(snap.payload, RemotePrefix) and snap.payload.ref
     again = pickle.loads(pickle.dumps(snap.payload))
     assert (tuple(again), again.ref) == (tuple(snap.payload), snap.payload.ref)
+    assert again.origin.key == snap.payload.origin.key == (urls["game24"], "game24", "omrl")
+    assert not again.origin.remote_only  # registered here: a local copy replays it
     local = make_env("game24", snapshots="replay")  # what a scripted policy does with it
     local.restore(snap)
     assert local.state_key() == snap.state_key and local.observe() == snap.observation
@@ -113,6 +116,7 @@ def test_snapshot_payload_replays_locally_and_pickles(urls):
     twin.restore(snap)
     assert (twin.observe(), twin.state_key(), twin.replays) == (snap.observation, snap.state_key, 0)
     remote.close()  # frees its stored snapshots: now only a replay gets there
+    twin.step("answer 1 + 1")
     twin.restore(snap)
     assert (twin.observe(), twin.state_key(), twin.replays) == (snap.observation, snap.state_key, 1)
     other.close()
@@ -336,9 +340,15 @@ class PrefixOracle(OraclePolicy):
         return env
 
 
+def _indexed(tasks):
+    """Copies of ``tasks`` that record their index on the fake server (its own task order)."""
+    return [Task(t.env, t.task_id, t.split, t.seed, t.instruction, {**t.data, "data_idx": i})
+            for i, t in enumerate(tasks)]
+
+
 @pytest.mark.parametrize("dialect", ["agentgym", "webshop"])
 def test_agentgym_dialects(dialect):
-    tasks = om.load_tasks("game24", "test", limit=4)
+    tasks = _indexed(om.load_tasks("game24", "test", limit=4))
     with serving(fake_agentgym("game24", dialect)) as url:
         factory = remote_factory(f"{dialect}+{url}")
         for strategy in ("react", "mcts", "beam"):
@@ -347,14 +357,18 @@ def test_agentgym_dialects(dialect):
             remote = om.search_many(tasks, strategy=strategy, policy=PrefixOracle(0.3), seed=1,
                                     env_factory=factory)
             _same_searches(local, remote)
-        # snapshots replay; indices come from data["data_idx"] or the local task list
+        # snapshots replay (lazily: at the next step); indices come from data["data_idx"] only
         env = factory("game24")
         by_index = env.reset(agentgym_tasks("game24", [2])[0])
         assert by_index == env.reset(tasks[2]) == make_env("game24").reset(tasks[2])
+        with pytest.raises(EnvError, match="cannot tell which task"):  # no position guessing
+            env.reset(om.load_tasks("game24", "test", limit=1)[0])
+        env.reset(tasks[2])
         root = env.snapshot()
         env.step("answer 1 + 1")
         env.restore(root)
-        assert env.observe() == root.observation and env.replays == 1
+        assert env.observe() == root.observation and env.replays == 0
+        assert not env.step("4 * 6").done and env.replays == 1
         with pytest.raises(EnvError, match="IndexError"):  # the server's 200 {"error"} is raised
             env.reset(agentgym_tasks("game24", [10**6])[0])
         env.close()

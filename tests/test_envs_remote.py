@@ -2,13 +2,14 @@
 
 An omrl server sends ``terminated``/``truncated``/``success``/``valid``; an older one sent
 ``done`` with ``success``/``valid`` in ``info``; AgentGym servers send ``done`` and a reward
-(success is a score at least ``success_score``). Answers come from a scripted HTTP stand-in, so
+(success decided per AgentGym env, as its evaluation does, or by ``success_score``). Answers come from a scripted HTTP stand-in, so
 no server runs here (tests/test_env_server.py runs real ones).
 """
 from __future__ import annotations
 
 import pytest
 
+from envs._agentgym import Profile
 from envs.remote import RemoteEnv
 from omrl_search.types import Task
 
@@ -67,5 +68,30 @@ def test_omrl_server_answers_map_onto_the_typed_fields(answer, expected):
 ])
 def test_agentgym_done_is_terminated_and_success_is_the_score(reward, done, expected):
     http = ScriptedHttp({"observation": "start"}, {"observation": "after", "reward": reward, "done": done})
-    env = RemoteEnv(http.url, "babyai", dialect="agentgym", http=http, _env_id=1)
-    assert fields(_stepped(env, http, Task("babyai", "b0", data={"data_idx": 0}))) == expected
+    env = RemoteEnv(http.url, "walk", dialect="agentgym", http=http, profile=Profile(None), _env_id=1)
+    assert fields(_stepped(env, http, Task("walk", "b0", data={"data_idx": 0}))) == expected
+
+
+# --- success the way AgentGym's evaluation decides it, per env --------------------------------
+@pytest.mark.parametrize("name, answer, success", [
+    ("BabyAI", {"reward": 0.64, "score": 0.64, "done": True}, True),  # 1 - 0.9 * steps / limit
+    ("BabyAI", {"reward": 0.0, "score": 0.0, "done": True}, False),
+    ("BabyAI", {"reward": 0.9, "score": 0.9, "done": False}, False),
+    ("SciWorld", {"reward": 25, "score": 100, "done": True}, True),
+    ("SciWorld", {"reward": 8, "score": 83, "done": True}, False),
+    ("TextCraft", {"reward": 1, "done": True}, True),
+    ("TextCraft", {"reward": 0, "done": True}, False),
+    ("WebShop", {"reward": 1.0, "done": True}, True),
+    ("WebShop", {"reward": 0.75, "done": True}, False),
+])
+def test_success_is_decided_per_agentgym_env(name, answer, success):
+    http = ScriptedHttp({"observation": "start"}, {"observation": "after", **answer})
+    env = RemoteEnv(http.url, "x", dialect="agentgym", http=http, profile=Profile(name), _env_id=1)
+    assert _stepped(env, http, Task("x", "t", data={"data_idx": 0})).success is success
+
+
+def test_success_score_overrides_the_profile():
+    http = ScriptedHttp({"observation": "s"}, {"observation": "a", "reward": 0.64, "score": 0.64, "done": True})
+    env = RemoteEnv(http.url, "x", dialect="agentgym", http=http, profile=Profile("BabyAI"),
+                    success_score=1.0, _env_id=1)
+    assert _stepped(env, http, Task("x", "t", data={"data_idx": 0})).success is False

@@ -32,7 +32,7 @@ class ScriptedPolicy(Policy):
 
     def __init__(self) -> None:
         self.tokenizer = ByteChatTokenizer()
-        self._envs: dict[str, Env] = {}
+        self._envs: dict[Any, Env] = {}  # by env name, or a remote env's origin key
 
     def generate(self, requests: list[GenRequest]) -> list[list[Generation]]:
         out = []
@@ -52,13 +52,21 @@ class ScriptedPolicy(Policy):
         return out
 
     def _env_for(self, meta: dict[str, Any]) -> Env:
+        """An env of the policy's own in the request's state. A remote env's snapshot names
+        where it lives (its payload's ``origin``, see docs/env_server.md): when only an env there
+        can hold its states (an AgentGym server's, or an env not registered here), the policy
+        opens one on that server and reads the actions the server lists; otherwise a local
+        copy of the env replays the snapshot."""
         snap = meta.get("snapshot")
         name = meta.get("env")
         if snap is None or name is None:
             raise PolicyError("scripted policies need the env snapshot in the request meta")
-        env = self._envs.get(name)
+        origin = getattr(snap.payload, "origin", None)
+        remote = origin is not None and origin.remote_only
+        key = origin.key if remote else name
+        env = self._envs.get(key)
         if env is None:
-            env = self._envs[name] = make_env(name, snapshots=snap.kind)
+            env = self._envs[key] = origin.open() if remote else make_env(name, snapshots=snap.kind)
         env.restore(snap)
         return env
 
