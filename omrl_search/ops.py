@@ -227,8 +227,11 @@ class SearchContext:
 
     @property
     def can_score(self) -> bool:
-        """Whether the policy scores given completions (``Policy.score``)."""
-        return callable(getattr(self.engine.policy, "score", None))
+        """Whether the policy scores given completions: its ``can_score`` flag when it has one,
+        else whether it has a ``score`` method."""
+        policy = self.engine.policy
+        flag = getattr(policy, "can_score", None)
+        return bool(flag) if flag is not None else callable(getattr(policy, "score", None))
 
     def expandable(self, node: Node) -> bool:
         return not node.terminal and node.status != FAILED and node.depth < self.max_depth

@@ -330,8 +330,14 @@ def test_policy_priors_score_every_valid_action_in_one_call(strategy):
 
 
 def test_policy_priors_need_a_scoring_policy():
-    [r] = search(tasks("sokoban", 1), strategy="mcts:priors=policy", policy=GrammarOracle())
-    assert r.stop_reason == "error" and "needs a policy that scores completions" in r.faults[0]
+    class Declined(ScoringOracle):
+        can_score = False  # a backend whose score() exists but cannot serve (its flag says so)
+
+    for pol in (GrammarOracle(), Declined()):
+        [r] = search(tasks("sokoban", 1), strategy="mcts:priors=policy", policy=pol)
+        assert r.stop_reason == "error" and "needs a policy that scores completions" in r.faults[0]
+        [r] = search(tasks("sokoban", 1), strategy="beam:propose=policy", policy=pol)
+        assert r.stop_reason == "error" and "needs a policy that scores completions" in r.faults[0]
 
 
 def test_policy_priors_fall_back_to_sampling_when_actions_are_many():
