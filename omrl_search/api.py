@@ -4,10 +4,11 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Sequence
 
 from .budget import Budget
+from .engine import DEFAULT_MAX_NODES
 from .env import Env, env_class
 from .executors import Executor
 from .policy import Policy
-from .result import SearchResult
+from .result import SearchResult, constraint_totals
 from .reward import RewardModel
 from .specs import SpecError, finite_limits, parse_kv
 from .strategy import Strategy, make_strategy
@@ -35,7 +36,9 @@ def search_many(tasks: Sequence[Task], *, strategy: "str | Strategy" = "react",
                 env_factory: Callable[[str], Env] | None = None,
                 executor: "str | Executor" = "local", ray_address: str | None = None,
                 schedule: str = "continuous", prefix_order: bool = True,
-                policy_weights: tuple[Any, Any] | None = None) -> list[SearchResult]:
+                policy_weights: tuple[Any, Any] | None = None, constrain: str = "auto",
+                lm_timeout: float | None = None,
+                max_nodes: int | None = DEFAULT_MAX_NODES) -> list[SearchResult]:
     """Search every task with one strategy, batching all trees' LM and reward-model calls.
 
     Each argument may be a spec string or the object it names (a Strategy, Policy, RewardModel,
@@ -51,6 +54,11 @@ def search_many(tasks: Sequence[Task], *, strategy: "str | Strategy" = "react",
     changes a seeded search's trees, only how busy the LM is kept.
     ``policy_weights=(version, state_dict)`` (Ray only): the actors' ``hf:`` policy searches with
     these weights (pushed once per version; online GRPO sends its live weights every round).
+    ``constrain`` (``auto`` | ``actions`` | ``format`` | ``none``): the grammar each step is
+    generated under (docs/design.md §4: the env's action language where it has one under
+    ``auto``); each result records what was in force. ``lm_timeout``: seconds one LM call may
+    take before it is abandoned as that node's fault; ``max_nodes``: the cap on a tree's nodes
+    when no budget stops it first (None: no cap).
     """
     if concurrency is not None and concurrency < 1:
         raise SpecError(f"concurrency must be >= 1 (or None for all tasks), got {concurrency}")
@@ -59,7 +67,8 @@ def search_many(tasks: Sequence[Task], *, strategy: "str | Strategy" = "react",
                         reward_model=reward_model, budget=parse_budget(budget), progress=progress,
                         on_result=on_result, policy_weights=policy_weights, seed=seed,
                         max_depth=max_depth, sampling=sampling, concurrency=concurrency,
-                        env_factory=env_factory, schedule=schedule, prefix_order=prefix_order)
+                        env_factory=env_factory, schedule=schedule, prefix_order=prefix_order,
+                        constrain=constrain, lm_timeout=lm_timeout, max_nodes=max_nodes)
 
 
 def parse_budget(spec: "str | dict | Budget | None") -> Budget:
@@ -90,4 +99,5 @@ def summarize(results: Iterable[SearchResult], seconds: float | None = None) -> 
         out["faults"] += len(r.faults)
     out["seconds"] = round(seconds if seconds is not None else sum(r.seconds for r in results), 3)
     out["verifier_in_loop"] = any(r.verifier_in_loop for r in results)
+    out["constraint"] = constraint_totals(results)
     return out

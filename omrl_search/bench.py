@@ -89,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
                     reward_model=args.reward_model, seed=args.seed, max_tokens=args.max_tokens,
                     temperature=args.temperature, out=args.out, save_trees=args.save_trees,
                     progress=not args.no_progress, executor=executor_from_args(args),
-                    concurrency=args.concurrency, max_depth=args.max_depth, source=source)
+                    concurrency=args.concurrency, max_depth=args.max_depth, source=source,
+                    constrain=args.constrain)
     flat = {f"{n}@{b}": s for n, per in summary["strategies"].items() for b, s in per.items()}
     print(format_table(flat))
     out = Path(args.out)
@@ -103,7 +104,8 @@ def bench(tasks: Sequence[Task], strategies: "str | Sequence[str | Strategy]", b
           max_tokens: int | None = None, temperature: float = 1.0, out: "str | Path | None" = None,
           save_trees: bool = False, progress: bool = True, executor: "str | Executor" = "local",
           ray_address: str | None = None, concurrency: int | None = None,
-          max_depth: int | None = None, source: str | None = None) -> dict[str, Any]:
+          max_depth: int | None = None, source: str | None = None,
+          constrain: str = "auto") -> dict[str, Any]:
     """Every strategy on ``tasks`` at every budget; the summary (``{"config", "strategies"}``,
     per strategy and budget the fields of ``omrl search``'s summary: success rate with its Wilson
     95% interval and, for every strategy after the first, ``paired``: an exact McNemar test
@@ -117,7 +119,10 @@ def bench(tasks: Sequence[Task], strategies: "str | Sequence[str | Strategy]", b
     (one line per strategy, budget and task, appended as each task finishes) and with
     ``save_trees`` ``trees/*.jsonl`` (also appended task by task); a run that raises keeps them
     in ``OUT.partial``. ``source`` names where the tasks came from in the summary (default:
-    their splits). Every argument, ``out`` included, is checked before any search runs (a bad
+    their splits). ``constrain``: the structured decoding of every step (``auto`` | ``actions`` |
+    ``format`` | ``none``, see :func:`~omrl_search.api.search_many`), kept in the config with
+    what was in force per row (``constraint``).
+    Every argument, ``out`` included, is checked before any search runs (a bad
     one raises SpecError, UsageError, PolicyError or ValueError with one line).
     """
     # --- validate everything first -------------------------------------------------------------
@@ -144,11 +149,11 @@ def bench(tasks: Sequence[Task], strategies: "str | Sequence[str | Strategy]", b
         pol = where.build(make_policy, policy)
         rows = _run_all(tasks, strats, kind, limits, od, save_trees, progress, policy=pol,
                         reward_model=rm, seed=seed, max_depth=max_depth, sampling=sampling,
-                        concurrency=concurrency, executor=where)
+                        concurrency=concurrency, executor=where, constrain=constrain)
         env = tasks[0].env
         config = {"env": env, "split": source or ",".join(sorted({t.split for t in tasks})),
                   "tasks": len(tasks), "policy": _spec_of(policy), "reward_model": _spec_of(reward_model),
-                  "budget_kind": kind, "budgets": limits, "seed": seed}
+                  "budget_kind": kind, "budgets": limits, "seed": seed, "constrain": constrain}
         summary = {"config": config, "strategies": rows}
         if od is not None:
             (od.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -241,6 +246,21 @@ def per_task(s: dict[str, Any], key: str) -> float:
     return value / max(s["tasks"], 1)
 
 
+def _constraint_line(config: dict[str, Any], rows: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """What each step was generated under: the setting asked and the modes searches ran in."""
+    modes: dict[str, int] = {}
+    violations = 0
+    for per in rows.values():
+        for row in per.values():
+            c = row.get("constraint") or {}
+            for mode, n in c.get("modes", {}).items():
+                modes[mode] = modes.get(mode, 0) + n
+            violations += int(c.get("violations", 0) or 0)
+    ran = ", ".join(f"{m}: {n} searches" for m, n in sorted(modes.items())) or "no record"
+    return (f"Structured decoding: `--constrain {config.get('constrain', 'auto')}`; in force: {ran}"
+            + (f"; {violations} completions broke the grammar (client check)" if violations else "") + ".")
+
+
 def markdown(config: dict[str, Any], rows: dict[str, dict[str, dict[str, Any]]]) -> str:
     """``table.md``: success rate with its 95% interval per strategy and budget, the paired test
     of each strategy against the first, then the compute actually spent."""
@@ -249,6 +269,7 @@ def markdown(config: dict[str, Any], rows: dict[str, dict[str, dict[str, Any]]])
     labels = [f"{config['budget_kind']}={b:g}" for b in config["budgets"]]
     lines = [f"# omrl bench: {config['env']} ({config['split']}, {config['tasks']} tasks), "
              f"policy `{config['policy']}`, seed {config['seed']}", "",
+             _constraint_line(config, rows), "",
              "Success rate per per-task budget, with its Wilson 95% interval (`*`: the env's "
              "success check steers the search or picks the answer — verifier in the loop).", "",
              "| strategy | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]

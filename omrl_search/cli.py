@@ -32,6 +32,7 @@ from .executors import Executor, parse_executor
 from .outdir import OutDir, ResultLog
 from .plugins import COMMANDS, PluginError, command_help
 from .policy import PolicyError, list_policies, make_policy
+from .prompts import CONSTRAIN_MODES
 from .reward import list_reward_models, make_reward_model
 from .specs import SpecError, UsageError
 from .strategy import list_strategies, make_strategy
@@ -115,6 +116,10 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
                    help=f"completion tokens per step (default {DEFAULT_MAX_TOKENS})")
     p.add_argument("--temperature", type=finite_at_least(0), default=1.0, help="default sampling temperature")
     p.add_argument("--concurrency", type=int_at_least(1), default=None, help="trees searched in lockstep")
+    p.add_argument("--constrain", choices=CONSTRAIN_MODES, default="auto",
+                   help="structured decoding of each step: auto (the env's action language where it "
+                        "has one, else the Think/Act frame; recorded when a backend cannot), actions, "
+                        "format or none (default auto)")
     add_executor_args(p)
     p.add_argument("--no-progress", action="store_true")
 
@@ -193,7 +198,7 @@ def _search(args: argparse.Namespace) -> int:
                                     budget=budget, seed=args.seed, max_depth=args.max_depth,
                                     sampling=sampling_from_args(args), concurrency=args.concurrency,
                                     progress=not args.no_progress, env_factory=env_factory,
-                                    executor=executor)
+                                    executor=executor, constrain=args.constrain)
         print(format_table(summary))
     if args.out:
         print(f"wrote {Path(args.out) / 'results.jsonl'} and {Path(args.out) / 'summary.json'}")

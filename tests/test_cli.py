@@ -111,3 +111,20 @@ def test_env_server_with_an_unknown_scheme_is_one_line(capsys):
     assert main(["search", "--env", "game24", "--env-server", "localhost:8000", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "bad env server 'localhost:8000'" in err and "http://" in err
+
+
+def test_constrain_setting_is_checked_and_recorded(tmp_path, capsys):
+    """``--constrain`` is one of its modes (else one line, exit 2) and the summary records what
+    was asked and what was in force (scripted policies cannot constrain: recorded, not silent)."""
+    assert main(["search", "--env", "game24", "--limit", "1", "--constrain", "bogus", "--no-progress"]) == 2
+    assert "--constrain" in capsys.readouterr().err
+    out = tmp_path / "c"
+    assert main(["search", "--env", "game24", "--limit", "2", "--policy", "scripted:oracle:p=0",
+                 "--constrain", "auto", "--out", str(out), "--no-progress"]) == 0
+    c = json.loads((out / "summary.json").read_text())["react"]["constraint"]
+    assert c["asked"] == "auto" and c["modes"] == {"none": 2}
+    assert any("cannot generate under a grammar" in note for note in c["notes"])
+    # an explicit constraint the policy cannot honour is an error before any search runs
+    assert main(["search", "--env", "game24", "--limit", "1", "--policy", "scripted:oracle:p=0",
+                 "--constrain", "actions", "--no-progress"]) == 2
+    assert "constrain=actions" in capsys.readouterr().err
