@@ -166,7 +166,7 @@ class Profile:
         SciWorld names the task and variation; BabyAI writes the mission into the observation."""
         if not isinstance(answer, dict):
             return None
-        if self.name == "SciWorld" and task.env == "sciworld" and "task_name" in answer:
+        if self.name == "SciWorld" and "task" in task.data and "task_name" in answer:
             want = (task.data.get("task"), task.data.get("variation"))
             got = (answer.get("task_name"), answer.get("var_num"))
             return None if got == want else f"the server started {got[0]} variation {got[1]}, not {want[0]} variation {want[1]}"

@@ -247,6 +247,9 @@ class RemoteEnv(Env):
             raise EnvError(f"task {task.task_id!r} is not data_idx {idx} of {self.http.url}: {wrong}")
         if not task.instruction:  # the task description reaches the policy as the instruction
             task.instruction = self.profile.instruction(out)
+            if not task.instruction and self.profile.name == "WebShop":
+                text = self.http.call("GET", "/instruction_text", **{self.id_key: self.env_id})
+                task.instruction = str(text).strip().removeprefix("Instruction:").strip()
         return obs
 
     def _unmatched(self) -> str:
