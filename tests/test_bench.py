@@ -30,7 +30,7 @@ def test_bench_writes_summary_table_and_plots(tmp_path, capsys):
     for name, per in data["strategies"].items():
         assert list(per) == ["lm_calls=2", "lm_calls=20"]
         for label, row in per.items():
-            assert set(SUMMARY_FIELDS) | {"verifier_in_loop", "strategy"} | ({"paired"} if name != "react" else set()) \
+            assert set(SUMMARY_FIELDS) | {"verifier_in_loop", "strategy", "constraint"} | ({"paired"} if name != "react" else set()) \
                 == set(row)
             mine = [o for o in outcomes if (o["strategy"], o["budget"]) == (name, label)]
             assert [o["task_id"] for o in mine] == ids  # task order, though appended as tasks finished
