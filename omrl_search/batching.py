@@ -22,7 +22,8 @@ the longest shared prefix in ``llamacpp``, automatic prefix caching in vLLM) the
 Neither choice changes any result: a request's sampling seed comes from its own tree and node.
 
 Every answer is checked before the engine uses it (:func:`well_formed`, :func:`checked_scores`):
-a malformed one is a fault of its request, never an exception out of the search.
+a malformed one is a fault of its request, never an exception out of the search. Scorings
+(``ctx.score_actions``) are served together in one ``Policy.score`` call (:func:`serve_scores`).
 
 Time limits: when a request has a deadline (its search's ``seconds`` budget, or the engine's
 ``lm_timeout``), its policy call runs on a daemon thread (:class:`BackgroundCall`) and the
@@ -37,11 +38,12 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from .types import Generation
+from .prompts import ConstraintError
+from .types import Generation, GenRequest, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .ops import Op
-    from .types import GenRequest
+    from .ops import EvaluateOp, Op, ScoreOp, SearchContext
+    from .tree import Node
 
 SCHEDULES = ("continuous", "lockstep")
 
@@ -65,6 +67,29 @@ class LMWait:
         self.gens[slot] = gens
         self.left -= 1
         return not self.left
+
+
+class Round:
+    """One driver step's work: LM requests, evaluations and scorings (by tree). Serving it
+    may leave ``pending`` a timed policy call still running for requests whose deadline has
+    not passed, and ``unserved`` the requests of later calls, put back to wait."""
+
+    __slots__ = ("lm", "evals", "scores", "pending", "unserved")
+
+    def __init__(self, lm: list[tuple[LMWait, int]], evals: "Sequence[tuple[int, EvaluateOp]]" = (),
+                 scores: "Sequence[tuple[int, ScoreOp]]" = ()):
+        self.lm, self.evals, self.scores = lm, list(evals), list(scores)
+        self.pending: tuple[TimedCall, list[tuple[LMWait, int]]] | None = None
+        self.unserved: list[tuple[LMWait, int]] = []
+
+
+class Crashed:
+    """A tree's answer that could not be built (the engine failed on it): ends that search."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, exc: BaseException):
+        self.error = f"{type(exc).__name__}: {exc}"
 
 
 class WaitingRequests:
@@ -367,3 +392,50 @@ def checked_scores(raw: Any, n: int) -> list[float] | Exception:
     if not all(_real(x) and x == x and x != float("inf") for x in raw):
         return RuntimeError("policy.score gave a score that is not a number")
     return [float(x) for x in raw]
+
+
+# --- scoring given completions (policy priors) ------------------------------------------------------
+def _score_request(ctx: "SearchContext", node: "Node") -> GenRequest:
+    """The request whose completions ``Policy.score`` scores: ``node``'s step prompt (with the
+    grammar an expansion there would carry)."""
+    messages, _, prompt_ids = ctx.prompts.step(node)
+    grammar = ctx.constraint.grammar(node, count=False)[0] if ctx.constraint is not None else None
+    meta = {"task": ctx.task, "snapshot": node.snapshot, "env": ctx.task.env, "score": True}
+    return GenRequest(messages, SamplingParams(1.0, 1.0, 0, (), 1, None), prompt_ids, meta, grammar)
+
+
+def serve_scores(policy: Any, ops: "list[tuple[int, ScoreOp]]") -> dict[int, Any]:
+    """Every pending scoring in one ``policy.score(requests, completions)`` call: per tree, per
+    node, the total logprob of each completion. Each node's prompt is one request (its
+    completions share it) charged one LM call and the tokens read; a failed call scores every
+    completion 0 (uniform priors) and is a fault of each search."""
+    flat, requests, out = [], [], {}
+    for i, op in ops:
+        try:
+            built = [_score_request(op.ctx, node) for node in op.nodes]
+        except ConstraintError:
+            raise
+        except Exception as exc:  # a prompt that cannot be built ends its own search
+            out[i] = Crashed(exc)
+            continue
+        out[i] = []
+        flat += [(i, op.ctx, comps) for comps in op.completions]
+        requests += built
+    if not flat:
+        return out
+    try:
+        got = policy.score(requests, [comps for *_, comps in flat])
+        if not isinstance(got, (list, tuple)) or len(got) != len(flat):
+            raise RuntimeError(f"policy.score returned {type(got).__name__} for {len(flat)} requests")
+    except Exception as exc:
+        got = [exc] * len(flat)
+    for (i, ctx, comps), req, scores in zip(flat, requests, got):
+        ctx.budget.charge(lm_calls=1, prompt_tokens=len(req.prompt_ids or ())
+                          + sum(len(ctx.prompts.encode(c)) for c in comps))
+        if not isinstance(scores, Exception):
+            scores = checked_scores(scores, len(comps))
+        if isinstance(scores, Exception):
+            ctx.faults.append(f"lm score: {type(scores).__name__}: {scores}")
+            scores = [0.0] * len(comps)
+        out[i].append(scores)
+    return out

@@ -39,8 +39,9 @@ from collections import deque
 from typing import Any, Callable, Iterable, Sequence
 
 from .agent import ReActFormat, TurnEncoder
-from .batching import (NOT_YET, SCHEDULES, BackgroundCall, LMWait, TimedCall, WaitingRequests,
-                       call_policy, checked_scores, prompt_key, timeout, wait_staged, well_formed)
+from .batching import (NOT_YET, SCHEDULES, BackgroundCall, Crashed, LMWait, Round, TimedCall,
+                       WaitingRequests, call_policy, prompt_key, serve_scores, timeout, wait_staged,
+                       well_formed)
 from .budget import Budget, BudgetExhausted
 from .env import Env, make_env
 from .env_driver import EnvDriver
@@ -59,30 +60,7 @@ DEFAULT_MAX_NODES = 20_000
 DEFAULT_MAX_FAULTS = 1_000
 
 
-
-class Round:
-    """One driver step's work: LM requests, evaluations and scorings (by tree). Serving it
-    may leave ``pending`` a timed policy call still running for requests whose deadline has
-    not passed, and ``unserved`` the requests of later calls, put back to wait."""
-
-    __slots__ = ("lm", "evals", "scores", "pending", "unserved")
-
-    def __init__(self, lm: list[tuple[LMWait, int]], evals: list[tuple[int, EvaluateOp]] = (),
-                 scores: list[tuple[int, ScoreOp]] = ()):
-        self.lm, self.evals, self.scores = lm, list(evals), list(scores)
-        self.pending: tuple[TimedCall, list[tuple[LMWait, int]]] | None = None
-        self.unserved: list[tuple[LMWait, int]] = []
-
 _SKIPPED = object()  # the answer of a request the engine did not send (a node it would not expand)
-
-
-class _Crashed:
-    """A tree's answer that could not be built (the engine failed on it): ends that search."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, exc: BaseException):
-        self.error = f"{type(exc).__name__}: {exc}"
 
 
 class Engine:
@@ -214,7 +192,7 @@ class Engine:
         if step.evals:
             answers.update(self._evaluate_all(step.evals))
         if step.scores:
-            answers.update(self._score_all(step.scores))
+            answers.update(serve_scores(self.policy, step.scores))
         return answers
 
     def _deliver(self, items: list[tuple[LMWait, int]], got: list[Any], answers: dict[int, Any]) -> None:
@@ -339,7 +317,7 @@ class Engine:
         try:
             return self._answer(wait)
         except Exception as exc:
-            return _Crashed(exc)
+            return Crashed(exc)
 
     def _answer(self, wait: LMWait) -> list:
         """An answered expand's children per node, or an answered ask's texts per prompt."""
@@ -401,49 +379,6 @@ class Engine:
 
 
     # --- scoring given completions (policy priors) -------------------------------------------
-    def _score_request(self, ctx: SearchContext, node: Node) -> GenRequest:
-        """The request whose completions ``Policy.score`` scores: ``node``'s step prompt (with
-        the grammar an expansion there would carry)."""
-        messages, _, prompt_ids = ctx.prompts.step(node)
-        grammar = ctx.constraint.grammar(node, count=False)[0] if ctx.constraint is not None else None
-        meta = {"task": ctx.task, "snapshot": node.snapshot, "env": ctx.task.env, "score": True}
-        return GenRequest(messages, SamplingParams(1.0, 1.0, 0, (), 1, None), prompt_ids, meta, grammar)
-
-    def _score_all(self, ops: list[tuple[int, ScoreOp]]) -> dict[int, Any]:
-        """Every pending scoring in one ``policy.score`` call: per tree, per node, the total
-        logprob of each completion. Each node's prompt is one request (its completions share
-        it) charged one LM call and the tokens read; a failed call scores every completion 0
-        (uniform priors) and is a fault of each search."""
-        flat, requests, out = [], [], {}
-        for i, op in ops:
-            try:
-                built = [self._score_request(op.ctx, node) for node in op.nodes]
-            except ConstraintError:
-                raise
-            except Exception as exc:  # a prompt that cannot be built ends its own search
-                out[i] = _Crashed(exc)
-                continue
-            out[i] = []
-            flat += [(i, op.ctx, node, comps) for node, comps in zip(op.nodes, op.completions)]
-            requests += built
-        if not flat:
-            return out
-        try:
-            got = self.policy.score(requests, [comps for *_, comps in flat])
-            if not isinstance(got, (list, tuple)) or len(got) != len(flat):
-                raise RuntimeError(f"policy.score returned {type(got).__name__} for {len(flat)} requests")
-        except Exception as exc:
-            got = [exc] * len(flat)
-        for (i, ctx, node, comps), req, scores in zip(flat, requests, got):
-            ctx.budget.charge(lm_calls=1, prompt_tokens=len(req.prompt_ids or ())
-                              + sum(len(ctx.prompts.encode(c)) for c in comps))
-            if not isinstance(scores, Exception):
-                scores = checked_scores(scores, len(comps))
-            if isinstance(scores, Exception):
-                ctx.faults.append(f"lm score: {type(scores).__name__}: {scores}")
-                scores = [0.0] * len(comps)
-            out[i].append(scores)
-        return out
 
 
 class _Run:
@@ -520,7 +455,7 @@ class _Run:
     def advance(self, i: int, value: Any) -> None:
         """Resume tree ``i`` with ``value`` and queue the op it yields next."""
         ctx, coro = self.live[i]
-        if type(value) is _Crashed:  # the engine failed building this tree's answer
+        if type(value) is Crashed:  # the engine failed building this tree's answer
             coro.close()
             ctx.faults.append(f"engine: {value.error}")
             self.finish(i, "error")
@@ -610,7 +545,7 @@ class _Run:
             ev, sc = self.side_work()
             answers = engine._evaluate_all(ev) if ev else {}
             if sc:
-                answers.update(engine._score_all(sc))
+                answers.update(serve_scores(engine.policy, sc))
             return answers
         if not done:
             done = self.collect()
