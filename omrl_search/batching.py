@@ -348,16 +348,29 @@ def _count(x: Any) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0
 
 
+def _all_counts(xs: Any) -> bool:
+    """A list or tuple of non-negative integers (plain ints checked at C speed)."""
+    if not isinstance(xs, (list, tuple)):
+        return False
+    if set(map(type, xs)) <= {int}:
+        return not xs or min(xs) >= 0
+    return all(_count(x) for x in xs)
+
+
+def _all_reals(xs: Any) -> bool:
+    if not isinstance(xs, (list, tuple)):
+        return False
+    return set(map(type, xs)) <= {float, int} or all(_real(x) for x in xs)
+
+
 def _malformed(g: Any) -> str:
     if not isinstance(g, Generation):
         return f"a {type(g).__name__} instead of a Generation"
     if not isinstance(g.text, str):
         return f"generation text is {type(g.text).__name__}, not str"
-    if g.token_ids is not None and (not isinstance(g.token_ids, (list, tuple))
-                                    or not all(_count(t) for t in g.token_ids)):
+    if g.token_ids is not None and not _all_counts(g.token_ids):
         return "generation token_ids are not a list of token ids"
-    if g.logprobs is not None and (not isinstance(g.logprobs, (list, tuple))
-                                   or not all(_real(x) for x in g.logprobs)):
+    if g.logprobs is not None and not _all_reals(g.logprobs):
         return "generation logprobs are not a list of numbers"
     if not (_count(g.prompt_tokens) and _count(g.completion_tokens)):
         return f"generation usage is not token counts ({g.prompt_tokens!r}, {g.completion_tokens!r})"
