@@ -36,7 +36,7 @@ import os
 import secrets
 import time
 from contextlib import asynccontextmanager
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 from omrl_search.env import env_class
 
@@ -137,7 +137,7 @@ def create_app(env: str, *, max_envs: int = 64, idle_timeout: float = 600.0,
     """The FastAPI app serving ``env`` (models are built here so importing this module is cheap).
 
     ``token``: require ``Authorization: Bearer <token>`` on every request (None: no auth)."""
-    from fastapi import Body, FastAPI, Request
+    from fastapi import Body, Depends, FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
     from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -190,9 +190,21 @@ def create_app(env: str, *, max_envs: int = 64, idle_timeout: float = 600.0,
     posted = (400, 413, 422)  # any POST with a body
     on_env = (404, 410, 500, 503, 504)  # any call on an env id
 
-    class EnvRef(Strict):
-        id: int | None = Field(None, description="the env id /create answered (required)")
-        env_idx: int | None = Field(None, description="WebShop's name for id (its clients send it)")
+    webshop = served(env) == "WebShop"  # WebShop's env_idx dialect besides the id one
+
+    class IdRef(Strict):
+        id: int = Field(description="the env id /create answered")
+        env_idx: ClassVar[None] = None  # only the webshop server takes WebShop's name
+
+        @property
+        def ref(self) -> int:
+            return self.id
+
+    class EnvIdxRef(Strict):  # id or env_idx (WebShop's clients send env_idx), exactly one
+        model_config = ConfigDict(strict=True, json_schema_extra={
+            "oneOf": [{"required": ["id"]}, {"required": ["env_idx"]}]})
+        id: int = Field(None, description="the env id /create answered")
+        env_idx: int = Field(None, description="WebShop's name for id")
 
         @model_validator(mode="after")
         def _one_id(self):
@@ -203,6 +215,8 @@ def create_app(env: str, *, max_envs: int = 64, idle_timeout: float = 600.0,
         @property
         def ref(self) -> int:
             return self.id if self.id is not None else self.env_idx
+
+    EnvRef = EnvIdxRef if webshop else IdRef
 
     class CreateBody(Strict):  # TextCraft's client sends {minecraft_dir, commands, goal}: ignored
         first_episode: bool = Field(True, description="start task data_idx=id and answer its "
@@ -317,14 +331,17 @@ def create_app(env: str, *, max_envs: int = 64, idle_timeout: float = 600.0,
         parts = [f"{'.'.join(str(p) for p in e['loc'][1:]) or e['loc'][0]}: {e['msg']}" for e in errors]
         return error(422, "bad request: " + "; ".join(parts))
 
-    webshop = served(env) == "WebShop"  # WebShop's env_idx dialect: /create answers a bare id
-
-    def env_id(id: int | None = None, env_idx: int | None = None) -> int:  # noqa: A002
-        """The env id of a GET query: ``?id=`` (AgentGym's id servers) or ``?env_idx=`` (WebShop)."""
+    def either_id(id: int | None = None, env_idx: int | None = None) -> int:  # noqa: A002
+        """The env id of a GET query on the webshop server: ``?id=`` or ``?env_idx=`` (WebShop)."""
         if (id is None) == (env_idx is None):
             raise ApiError(422, "bad request: give the env id as the query parameter id (or "
                                 "env_idx, WebShop's name for it), once")
         return id if id is not None else env_idx
+
+    def just_id(id: int) -> int:  # noqa: A002 - AgentGym's query parameter name
+        return id
+
+    env_id = either_id if webshop else just_id
 
     @app.get("/", response_model=str, summary="which env this serves, as AgentGym's servers say it")
     def root():
@@ -340,7 +357,8 @@ def create_app(env: str, *, max_envs: int = 64, idle_timeout: float = 600.0,
             return pool.start(first_episode=False)["id"]
         return {"env": env, **pool.start(first_episode=body is None or body.first_episode)}
 
-    @app.post("/reset", response_model=ResetOut | tuple[str, None], response_model_exclude_none=True,
+    @app.post("/reset", response_model=ResetOut | list[str | None] if webshop else ResetOut,
+              response_model_exclude_none=True,
               responses=answers(*posted, *on_env, 409, links=live("$response.body#/id",
                                                                    "$response.body#/snapshot_id")),
               summary="start a task: data_idx into the split's task list, or a full task")
@@ -361,8 +379,8 @@ def create_app(env: str, *, max_envs: int = 64, idle_timeout: float = 600.0,
 
     @app.get("/observation", response_model=str, responses=answers(422, *on_env, 409),
              summary="the current observation (a string)")
-    def observation(id: int | None = None, env_idx: int | None = None):  # noqa: A002 - AgentGym's name
-        return pool.observation(env_id(id, env_idx))
+    def observation(idx: int = Depends(env_id)):
+        return pool.observation(idx)
 
     @app.post("/close", response_model=Closed, responses=answers(*posted, 404, 410, 503))
     def close(body: EnvRef):
@@ -388,32 +406,32 @@ def create_app(env: str, *, max_envs: int = 64, idle_timeout: float = 600.0,
 
     @app.get("/valid_actions", responses=answers(422, *on_env, 409),
              summary="admissible actions (null when the env cannot list them)")
-    def valid_actions(id: int | None = None, env_idx: int | None = None) -> list[str] | None:  # noqa: A002
-        return pool.query(env_id(id, env_idx), "valid_actions")
+    def valid_actions(idx: int = Depends(env_id)) -> list[str] | None:
+        return pool.query(idx, "valid_actions")
 
     @app.get("/expert_action", responses=answers(422, *on_env, 409),
              summary="the expert solver's next action (null if none)")
-    def expert_action(id: int | None = None, env_idx: int | None = None) -> str | None:  # noqa: A002
-        return pool.query(env_id(id, env_idx), "expert_action")
+    def expert_action(idx: int = Depends(env_id)) -> str | None:
+        return pool.query(idx, "expert_action")
 
     @app.get("/heuristic", responses=answers(422, *on_env, 409),
              summary="the env's heuristic value of the state (404 if it has none)")
-    def heuristic(id: int | None = None, env_idx: int | None = None) -> float:  # noqa: A002
-        return pool.query(env_id(id, env_idx), "heuristic")
+    def heuristic(idx: int = Depends(env_id)) -> float:
+        return pool.query(idx, "heuristic")
 
     if webshop:
         @app.get("/available_actions", responses=answers(422, *on_env, 409),
                  summary="WebShop: {has_search_bar, clickables} of the current page")
-        def available_actions(id: int | None = None, env_idx: int | None = None) -> dict[str, Any]:  # noqa: A002
-            listed = pool.query(env_id(id, env_idx), "valid_actions") or []
+        def available_actions(idx: int = Depends(env_id)) -> dict[str, Any]:
+            listed = pool.query(idx, "valid_actions") or []
             search = any(a.startswith("search[") for a in listed)
             clicks = [a[len("click["):-1] for a in listed if a.startswith("click[") and a.endswith("]")]
             return {"has_search_bar": search, "clickables": ["search"] * search + clicks}
 
         @app.get("/instruction_text", response_model=str, responses=answers(422, *on_env, 409),
                  summary="WebShop: the instruction of the current task")
-        def instruction_text(id: int | None = None, env_idx: int | None = None):  # noqa: A002
-            return pool.instruction(env_id(id, env_idx))
+        def instruction_text(idx: int = Depends(env_id)):
+            return pool.instruction(idx)
 
     @app.get("/info", responses=answers(), summary="the env's name, action syntax, horizon and capabilities")
     def info() -> dict[str, Any]:

@@ -219,6 +219,10 @@ def test_webshop_client_speaks_env_idx_and_sees_the_instruction():
                              params={"env_idx": client.env_id}).json() == tasks[idx].instruction
             reward, done, _ = _play(client, base, key="env_idx")
             assert (reward, done) == (1.0, True)
+        both = httpx.post(f"{base}/step", json={"id": client.env_id, "env_idx": client.env_id, "action": "x"})
+        assert both.status_code == 422 and "give the env id as id" in both.json()["error"]
+        by_id = httpx.get(f"{base}/observation", params={"id": client.env_id})  # the id dialect too
+        assert by_id.status_code == 200 and by_id.json() == client.observe()
 
 
 @pytest.mark.slow

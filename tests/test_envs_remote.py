@@ -87,7 +87,8 @@ def test_agentgym_done_is_terminated_and_success_is_the_score(reward, done, expe
 def test_success_is_decided_per_agentgym_env(name, answer, success):
     http = ScriptedHttp({"observation": "start"}, {"observation": "after", **answer})
     env = RemoteEnv(http.url, "x", dialect="agentgym", http=http, profile=Profile(name), _env_id=1)
-    assert _stepped(env, http, Task("x", "t", data={"data_idx": 0})).success is success
+    task = Task("x", "t", instruction="do it", data={"data_idx": 0})  # no instruction to fetch
+    assert _stepped(env, http, task).success is success
 
 
 def test_success_score_overrides_the_profile():
