@@ -394,6 +394,13 @@ class RemoteEnv(Env):
         search = [f"search[{self._task.instruction}]"] if out.get("has_search_bar") and self._task.instruction else []
         return search + clicks
 
+    @property
+    def lists_actions(self) -> bool:
+        """Whether the server names the actions of a state (an omrl server's /valid_actions,
+        BabyAI's observations, WebShop's /available_actions); SciWorld and TextCraft do not."""
+        return (self.native or self.profile.name == "WebShop"
+                or self.profile.listed_actions(self.observe()) is not None)
+
     def expert_action(self) -> str | None:
         return self.http.call("GET", "/expert_action", id=self.env_id) if self.native else None
 

@@ -26,7 +26,7 @@ from envs._agentgym import BABYAI_LEVELS, SCIWORLD_SKIPPED, Profile
 from envs.babyai import BabyAIEnv
 from envs.remote import RemoteEnv, agentgym_tasks, remote_factory
 from envs.server import create_app
-from omrl_search.backends.scripted import RandomPolicy
+from omrl_search.backends.scripted import OraclePolicy, RandomPolicy
 from omrl_search.env import EnvError, ReplayDivergence, make_env
 from omrl_search.policy import PolicyError
 from omrl_search.types import GenRequest, SamplingParams, Task
@@ -486,13 +486,15 @@ def test_remote_textcraft_success_is_reward_one():
                     break
             assert r.success and r.reward == 1.0 and env.valid_actions() is None
             env.close()
-        # TextCraft lists no actions: the random policy refuses in one line
+        # TextCraft lists no actions: the scripted policies refuse in one line
         env = factory("game24")
         env.reset(tasks[0])
         request = GenRequest([{"role": "user", "content": "x"}], SamplingParams(n=1, seed=0), None,
                              {"task": tasks[0], "snapshot": env.snapshot(), "env": "game24"})
-        with pytest.raises(PolicyError, match="scripted:random needs valid_actions"):
-            RandomPolicy().generate([request])
+        for policy in (RandomPolicy(), OraclePolicy(0.3)):
+            with pytest.raises(PolicyError, match=f"{policy.name} cannot act on env 'game24' at "
+                                                  f"{url}: that server lists no actions"):
+                policy.generate([request])
 
 
 def test_remote_webshop_lists_clickables_and_success_is_a_full_reward():

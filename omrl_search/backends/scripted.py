@@ -68,6 +68,9 @@ class ScriptedPolicy(Policy):
         if env is None:
             env = self._envs[key] = origin.open() if remote else make_env(name, snapshots=snap.kind)
         env.restore(snap)
+        if remote and not getattr(env, "lists_actions", True):
+            raise PolicyError(f"{self.name} cannot act on env {name!r} at {origin.url}: that server "
+                              "lists no actions and has no expert")
         return env
 
     def choose(self, env: Env, rng: random.Random, meta: dict[str, Any]) -> tuple[str, float]:
