@@ -75,7 +75,8 @@ def episode_from_row(row: dict[str, Any]) -> Episode:
     if split is not None and len(split[1]) != n:
         split = None  # segments that do not line up with the steps are not used
     prompt = row["prompt"]
-    return Episode(prompt if isinstance(prompt, str) else [dict(m) for m in prompt], list(row["completions"]), list(row["observations"]),
+    return Episode(prompt if isinstance(prompt, str) else [dict(m) for m in prompt],
+                   list(row["completions"]), list(row["observations"]),
                    split[0] if split else None, split[1] if split else None)
 
 

@@ -66,7 +66,8 @@ def test_sft_rows_are_top_k_successes_with_exact_segments(results):
         assert [s["role"] for s in got] == [s.role for s in want]
         assert [s["trainable"] for s in got] == [s.role == "assistant" for s in want]
         msgs = kept[0]["messages"]  # the chat up to the last completion, as the engine prompted
-        assert msgs[:2] == [{**m, "trainable": False} for m in prompt_messages(res.task, res.tree.root.observation)]
+        first = prompt_messages(res.task, res.tree.root.observation)
+        assert msgs[:2] == [{**m, "trainable": False} for m in first]
         assert msgs[-1]["role"] == "assistant" and msgs[-1]["trainable"] is True
 
 
@@ -304,4 +305,5 @@ def test_prm_export_prompt_is_the_engines(results):
     for row in rows:
         res = next(r for r in results if r.task.task_id == row["task_id"])
         assert row["prompt"] == prompt_messages(res.task, res.tree.root.observation)
-        assert len(row["completions"]) == len(row["labels"]) == sum(s["role"] == "assistant" for s in row["segments"])
+        steps = sum(s["role"] == "assistant" for s in row["segments"])
+        assert len(row["completions"]) == len(row["labels"]) == steps
