@@ -35,7 +35,7 @@ from typing import Any
 
 from ..policy import (Policy, PolicyError, from_path_spec, register_policy, request_prompt_ids,
                       require)
-from ..types import GenRequest, Generation
+from ..types import GenRequest
 from ._decode import ChunkedDecoder, Row, prefix_groups
 from .hf_tokenizer import HFChatTokenizer
 
