@@ -51,6 +51,7 @@ from ._agentgym import Profile, identify
 
 DEFAULT_TIMEOUT = 60.0
 TOKEN_VAR = "OMRL_ENV_SERVER_TOKEN"  # the bearer token, when no token= is given
+RETRIES = 3  # replays on an AgentGym server tried again after a divergence
 #: dialect -> (name of the env id field, name of the task index field in /reset)
 AGENTGYM_DIALECTS = {"agentgym": ("id", "data_idx"), "webshop": ("env_idx", "session_id"),
                      "sqlgym": ("env_idx", "item_id")}
@@ -163,7 +164,7 @@ class RemoteEnv(Env):
     def __init__(self, url: str, env: str, *, dialect: str = "omrl", timeout: float = DEFAULT_TIMEOUT,
                  http: Http | None = None, info: dict[str, Any] | None = None,
                  success_score: float | None = None, profile: Profile | None = None,
-                 token: str | None = None, _env_id: Any = None, **about: Any):
+                 token: str | None = None, retries: int = RETRIES, _env_id: Any = None, **about: Any):
         if dialect != "omrl" and dialect not in AGENTGYM_DIALECTS:
             raise ValueError(f"unknown env server dialect {dialect!r} (known: omrl, "
                              f"{', '.join(AGENTGYM_DIALECTS)})")
@@ -181,13 +182,16 @@ class RemoteEnv(Env):
         self.profile = profile or Profile(None)
         self.origin = Origin(self.http.url, env, dialect, getattr(self.http, "timeout", timeout),
                              getattr(self.http, "token", token),
-                             {"info": info, "profile": profile, "success_score": success_score, **about})
+                             {"info": info, "profile": profile, "success_score": success_score,
+                              "retries": retries, **about})
         self._describe(env, info or {}, dict(about))
         self._task: Task | None = None
         self._actions: tuple[str, ...] = ()
         self._obs, self._key, self._ref, self._score = "", "", None, 0.0
         self._pending: Snapshot | None = None  # restored, not yet replayed (AgentGym servers)
         self.replays = 0  # restores done by replay (no stored snapshot on the server)
+        self.divergences = 0  # replays that reached another state (then tried again)
+        self.retries = retries
         self._env_id = _env_id
 
     @property
@@ -343,22 +347,29 @@ class RemoteEnv(Env):
 
     def _sync(self) -> None:
         """Replay a pending restore: only the missing actions when it extends this env's
-        episode, else from a reset. A replay reaching another state raises ReplayDivergence."""
+        episode, else from a reset. A replay reaching another state is tried again from a
+        reset ``retries`` times on an AgentGym server (a simulator such as ScienceWorld's is not
+        fully deterministic), then raises ReplayDivergence."""
         snap, self._pending = self._pending, None
         if snap is None or (snap.state_key == self._key and snap.payload[0] is self._task
                             and tuple(snap.payload[1]) == self._actions):
             return
         task, actions = snap.payload
         done = len(self._actions)
-        if task is not self._task or tuple(actions[:done]) != self._actions or self.native:
-            self.replays += 1
-            self.reset(task)
-            done = 0
-        for action in actions[done:]:
-            self.step(action)
-        if self._key != snap.state_key:
-            raise ReplayDivergence(f"replaying {len(actions)} actions of task {task.task_id} on "
-                                   f"{self.http.url} reached a different state")
+        fresh = task is not self._task or tuple(actions[:done]) != self._actions or self.native
+        for _ in range(1 + (0 if self.native else self.retries)):
+            if fresh:
+                self.replays += 1
+                self.reset(task)
+                done = 0
+            for action in actions[done:]:
+                self.step(action)
+            if self._key == snap.state_key:
+                return
+            self.divergences += 1
+            fresh = True
+        raise ReplayDivergence(f"replaying {len(actions)} actions of task {task.task_id} on "
+                               f"{self.http.url} reached a different state")
 
     def fork(self) -> "RemoteEnv":
         """A second env on the server in this env's state (omrl servers only)."""

@@ -2,8 +2,12 @@
 
 ``omrl env serve --env game24 --host 127.0.0.1 --port 8000`` serves one registered env with
 FastAPI and uvicorn. The endpoints speak AgentGym's ``id`` dialect (``/create``, ``/reset``,
-``/step``, ``/observation``, ``/close``, as its BabyAI, SciWorld and TextCraft servers do), so
-AgentGym clients work unchanged, and add what a tree search needs: ``/snapshot``, ``/restore``,
+``/step``, ``/observation``, ``/close``, as its BabyAI, SciWorld and TextCraft servers do) and,
+for ``babyai``, ``sciworld`` and ``webshop``, the dialect of that env's own AgentGym server (the
+goal in BabyAI's first observation, SciWorld's ``task_description`` and 0-100 score, WebShop's
+``env_idx``; :mod:`envs._agentgym`), so AgentGym clients work unchanged; ``/create`` answers the
+first observation as TextCraft's does, and any ``data_idx`` >= 0 is a task (modulo the split).
+They add what a tree search needs: ``/snapshot``, ``/restore``,
 ``/fork``, ``/valid_actions``, ``/expert_action``, ``/heuristic``, ``/info`` and ``/health``. The
 OpenAPI schema is at ``/openapi.json`` (browsable at ``/docs``).
 
