@@ -100,6 +100,20 @@ class Env(ABC):
         """The expert solver's next action from the current state (None if unsolvable)."""
         return None
 
+    def action_grammar(self) -> str | None:
+        """Grammar rules defining the rule ``action``: the action language of the current state
+        (Game24's ``a op b`` over the numbers left, SQL's ``verb: ARG`` lines), in the common
+        subset of GBNF and xgrammar's EBNF (:mod:`omrl_search.constrain`). Structured decoding
+        prefers it to :meth:`valid_actions`, which may list only samples (docs/design.md §4).
+        None: no syntax known (the format's one-line action, or the listed actions)."""
+        return None
+
+    def explain(self, action: str, rng: Any = None) -> str | None:
+        """One line of reasoning that ``action`` follows from in the current state (what the
+        expert's demonstrations write as their ``Think:`` line), its wording chosen by ``rng``;
+        None when the env has nothing to say (or refuses the action)."""
+        return None
+
     def close(self) -> None:
         """Release resources (processes, files)."""
 
@@ -263,6 +277,12 @@ class ReplayEnv(Env):
 
     def expert_action(self) -> str | None:
         return self.inner.expert_action()
+
+    def action_grammar(self) -> str | None:
+        return self.inner.action_grammar()
+
+    def explain(self, action: str, rng: Any = None) -> str | None:
+        return self.inner.explain(action, rng)
 
     def close(self) -> None:
         self.inner.close()
