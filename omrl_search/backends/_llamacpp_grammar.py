@@ -13,7 +13,11 @@ Two engines mask the batch's numpy logits before the backend's own sampler:
   compile per grammar text.
 
 Both get :attr:`Grammar.text <omrl_search.constrain.Grammar.text>` and accept the same
-language (tests/test_constrain.py compares their masks).
+language (tests/test_constrain.py compares their masks; seeded samples are token for token the
+same). Measured with ``benchmarks/constrained_decoding.py`` (SmolLM2, Game24 first steps, batch
+8, one thread, the 2-core development VM under load): the mask took 38% of the decode loop's
+CPU time with ``gbnf`` (decode 62 -> 38 tokens per CPU-second) and 1.1-1.6% with ``xgrammar``,
+whose first grammar costs ~1.5 s once (the vocabulary's token table) and ~15 ms per new text.
 """
 from __future__ import annotations
 
