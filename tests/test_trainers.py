@@ -177,7 +177,9 @@ def test_observation_tokens_get_zero_gradient(kind, model_dir, data, tmp_path):
     items = runner.source.examples
     if kind == "grpo":
         items = [r for r in items if r.advantage != 0]
-    batch = runner.collate(items[:2])
+    # the plain path (no layout keys), where every position has logits: the trainers' own
+    # layouts compute none but those of loss tokens (tests/test_trainer_layout.py)
+    batch = {k: v for k, v in runner.collate(items[:2]).items() if k not in ("model_inputs", "index")}
     mask = batch["loss_mask"]
     n_obs = 0
     for b in range(mask.shape[0]):  # observation turns sit inside the sequence, between loss runs

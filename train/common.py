@@ -1,15 +1,16 @@
-"""Pieces the policy trainers share: the model + data setup, the forward pass to logprobs, and
-the config fields that name a registered loss variant."""
+"""Pieces the policy trainers share: their settings, the model + data setup, the forward pass to
+logprobs, and the config fields that name a registered loss variant."""
 from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Annotated, Any, Iterator
+from typing import Annotated, Any, Callable, Iterator, Literal, Sequence
 
-from pydantic import AfterValidator
+from pydantic import AfterValidator, Field
 
-from .data import RowBuilder
-from .losses import ADVANTAGES, AGGREGATIONS, DPO_LOSSES, sequence_logprobs
+from .data import RowBuilder, collate
+from .losses import ADVANTAGES, AGGREGATIONS, DPO_LOSSES
+from .packing import add_layout, token_logprobs
 from .runtime import TrainConfig, is_peft
 
 #: config fields whose value must name an entry of a :mod:`train.losses` registry (checked when
@@ -17,6 +18,14 @@ from .runtime import TrainConfig, is_peft
 AggregationName = Annotated[str, AfterValidator(AGGREGATIONS.check)]
 DPOLossName = Annotated[str, AfterValidator(DPO_LOSSES.check)]
 AdvantageName = Annotated[str, AfterValidator(ADVANTAGES.check)]
+
+
+class PolicyConfig(TrainConfig):
+    """Settings of the policy trainers (SFT, DPO, GRPO, PPO): how a micro-batch is laid out for
+    the model (see :mod:`train.packing`; the losses are the same in every layout)."""
+
+    layout: Literal["padded", "packed", "shared-prefix"] = "shared-prefix"
+    pack_tokens: int = Field(2048, ge=8)  # tokens per packed row (packed layouts)
 
 
 def make_builder(cfg: TrainConfig, model: Any, hf_tokenizer: Any) -> RowBuilder:
@@ -34,20 +43,20 @@ def pad_id(hf_tokenizer: Any) -> int:
                else hf_tokenizer.eos_token_id)
 
 
-def forward(model: Any, batch: dict[str, Any], **kwargs: Any) -> Any:
-    """The model on a collated batch (padded with an attention mask, or packed with position
-    ids and no mask)."""
-    kw: dict[str, Any] = {"input_ids": batch["input_ids"], "use_cache": False, **kwargs}
-    if "position_ids" in batch:
-        kw["position_ids"] = batch["position_ids"]
-    else:
-        kw["attention_mask"] = batch["attention_mask"]
-    return model(**kw)
+def layout_collate(cfg: PolicyConfig, pid: int,
+                   collate_fn: Callable[[Sequence[Any], int], dict[str, Any]] = collate
+                   ) -> Callable[[Sequence[Any]], dict[str, Any]]:
+    """``collate(examples)`` for the Runner: ``collate_fn`` (padded ``[B, T]`` tensors for the
+    losses), then the model inputs of ``cfg.layout``."""
+    def fn(xs: Sequence[Any]) -> dict[str, Any]:
+        return add_layout(collate_fn(xs, pid), cfg.layout, cfg.pack_tokens)
+    return fn
 
 
 def policy_logprobs(model: Any, batch: dict[str, Any]) -> Any:
-    """``[B, T]`` logprobs of the batch's ids, aligned with them (float32)."""
-    return sequence_logprobs(forward(model, batch).logits, batch["input_ids"])
+    """``[B, T]`` float32 logprobs of the batch's ids, aligned with them: on loss tokens (and 0
+    elsewhere) for a batch with a layout, on every token for a plain collated one."""
+    return token_logprobs(model, batch)[0]
 
 
 class Reference:

@@ -235,8 +235,9 @@ def collate_pairs(pairs: Sequence[PairRow], pad_id: int) -> dict[str, Any]:
 # --- packing -----------------------------------------------------------------------------------------
 @dataclass(slots=True)
 class PackedRow:
-    """Several sequences back to back; ``position_ids`` restart at 0 for each, which makes
-    transformers build a block-diagonal causal mask (no attention across sequences)."""
+    """Several sequences back to back; ``position_ids`` restart at 0 for each, and the trainers
+    attend with a block-diagonal causal mask built from them (:func:`train.packing.block_mask`):
+    no attention across sequences."""
 
     input_ids: list[int]
     loss_mask: list[int]
@@ -270,8 +271,8 @@ def pack(rows: Sequence[TokenRow], max_length: int) -> list[PackedRow]:
 
 
 def collate_packed(rows: Sequence[PackedRow], pad_id: int) -> dict[str, Any]:
-    """``[B, T]`` packed batch with ``position_ids`` and no attention mask; padding is a
-    separate run of positions with no loss."""
+    """``[B, T]`` packed batch with ``position_ids`` (the attention mask follows from them);
+    padding is a separate run of positions with no loss."""
     import torch
 
     T = max(len(r.input_ids) for r in rows)

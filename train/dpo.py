@@ -12,13 +12,14 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from .common import DPOLossName, Reference, make_builder, pad_id, policy_logprobs
+from .common import (DPOLossName, PolicyConfig, Reference, layout_collate, make_builder, pad_id,
+                     policy_logprobs)
 from .data import PairRow, collate_pairs, load_dpo
 from .losses import DPO_LOSSES, dpo_loss
-from .runtime import ListSource, Runner, TrainConfig, load_model
+from .runtime import ListSource, Runner, load_model
 
 
-class DPOConfig(TrainConfig):
+class DPOConfig(PolicyConfig):
     beta: float = Field(0.1, gt=0)
     loss: DPOLossName = "sigmoid"  # a name in train.losses.DPO_LOSSES
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)
@@ -61,14 +62,14 @@ def dpo_loss_fn(cfg: DPOConfig, reference: Reference | None):
 
 
 def precompute_reference(runner: Runner, reference: Reference, pairs: list[PairRow],
-                         pid: int, mean: bool, batch_size: int) -> None:
+                         collate: Any, mean: bool, batch_size: int) -> None:
     """Reference sequence logps of every pair (stored on the rows), with the initial weights."""
     model = runner.module
     was = model.training
     model.eval()
     for i in range(0, len(pairs), batch_size):
         chunk = pairs[i:i + batch_size]
-        batch = runner.to_device(collate_pairs(chunk, pid))
+        batch = runner.to_device(collate(chunk))
         with runner.autocast():
             ref = seq_logps(reference.logprobs(model, batch), batch["loss_mask"], mean).float().cpu()
         n = len(chunk)
@@ -86,11 +87,12 @@ def build(cfg: DPOConfig) -> Runner:
         ref_copy, _ = load_model(cfg.model_copy(update={"model": cfg.ref_model, "lora": None}))
     reference = Reference(model, ref_copy)
     precomputed = cfg.reference == "precomputed"
+    pairs_collate = layout_collate(cfg, pid, collate_pairs)
 
     def collate(xs: list[PairRow]) -> dict[str, Any]:
         import torch
 
-        batch = collate_pairs(xs, pid)
+        batch = pairs_collate(xs)
         if precomputed:
             batch["ref_logps"] = torch.tensor([p.ref[0] for p in xs] + [p.ref[1] for p in xs],
                                               dtype=torch.float32)
@@ -99,7 +101,7 @@ def build(cfg: DPOConfig) -> Runner:
     runner = Runner(cfg, model, dpo_loss_fn(cfg, None if precomputed else reference),
                     ListSource(pairs, cfg.batch_size, seed=cfg.seed), collate, tokenizer=tok, kind="dpo")
     if precomputed:
-        precompute_reference(runner, reference, pairs, pid, mean_logps(cfg), cfg.batch_size)
+        precompute_reference(runner, reference, pairs, pairs_collate, mean_logps(cfg), cfg.batch_size)
         reference._copy = None  # free the frozen copy
     return runner
 

@@ -39,11 +39,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from omrl_search.executors import parse_executor
 
-from .common import AdvantageName, AggregationName, Reference, make_builder, pad_id, policy_logprobs
-from .data import RowBuilder, TokenRow, collate, load_grpo
+from .common import (AdvantageName, AggregationName, PolicyConfig, Reference, layout_collate,
+                     make_builder, pad_id, policy_logprobs)
+from .data import RowBuilder, TokenRow, load_grpo
 from .losses import ADVANTAGES, clip_policy_loss
-from .runtime import (ListSource, Runner, TrainConfig, TrainError, is_peft, load_model,
-                      resolve_model_path)
+from .runtime import ListSource, Runner, TrainError, is_peft, load_model, resolve_model_path
 
 
 class OnlineSettings(BaseModel):
@@ -70,7 +70,7 @@ class OnlineSettings(BaseModel):
         return spec
 
 
-class GRPOConfig(TrainConfig):
+class GRPOConfig(PolicyConfig):
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.2, ge=0)  # > clip_low: DAPO's clip-higher
     kl_coef: float = Field(0.0, ge=0)
@@ -285,10 +285,12 @@ def make_source(cfg: GRPOConfig, model: Any, tok: Any) -> tuple[Any, int | None]
     return RolloutSource(cfg, tasks, builder, tok), cfg.max_steps
 
 
-def with_stats(source: Any, pid: int):
+def with_stats(source: Any, cfg: GRPOConfig, pid: int):
     """collate that also carries the latest rollout statistics into the logged metrics."""
+    collate = layout_collate(cfg, pid)
+
     def fn(xs: list[TokenRow]) -> dict[str, Any]:
-        batch = collate(xs, pid)
+        batch = collate(xs)
         stats = getattr(source, "stats", None)
         if stats:
             batch["stats"] = dict(stats)
@@ -300,7 +302,7 @@ def build(cfg: GRPOConfig) -> Runner:
     model, tok = load_model(cfg)
     reference = Reference(model) if cfg.kl_coef else None
     source, total = make_source(cfg, model, tok)
-    return Runner(cfg, model, grpo_loss_fn(cfg, reference), source, with_stats(source, pad_id(tok)),
+    return Runner(cfg, model, grpo_loss_fn(cfg, reference), source, with_stats(source, cfg, pad_id(tok)),
                   tokenizer=tok, kind="grpo", total_steps=total)
 
 

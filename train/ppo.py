@@ -17,9 +17,10 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from .common import AdvantageName, Reference, forward, pad_id
+from .common import AdvantageName, Reference, pad_id
 from .grpo import GRPOConfig, grpo_loss_fn, make_source, needs_values, policy_loss, with_stats
-from .losses import ADVANTAGES, sequence_logprobs, value_loss
+from .losses import ADVANTAGES, value_loss
+from .packing import token_logprobs
 from .runtime import Runner, is_peft, load_model, load_weights
 
 HEAD_FILE = "value_head.safetensors"
@@ -84,12 +85,10 @@ def ppo_loss_fn(cfg: PPOConfig, reference: Reference | None):
     estimate = ADVANTAGES[cfg.advantage]
 
     def loss_fn(model: Any, batch: dict[str, Any]) -> tuple[Any, dict[str, float]]:
-        out = forward(model.lm, batch, output_hidden_states=True)
-        lp = sequence_logprobs(out.logits, batch["input_ids"])
-        # values[t]: the value of the state before token t (aligned like the logprobs)
-        values = torch.nn.functional.pad(
-            model.v_head(out.hidden_states[-1][:, :-1].float()).squeeze(-1), (1, 0))
         mask = batch["loss_mask"]
+        lp, hidden = token_logprobs(model.lm, batch, hidden=True)
+        # values[t]: the value of the state before token t (aligned like the logprobs; loss tokens)
+        values = model.v_head(hidden.float()).squeeze(-1) * mask
         last = (mask * torch.arange(mask.shape[1], device=mask.device)).argmax(-1)
         rewards = torch.zeros_like(values)
         rewards[torch.arange(len(last), device=mask.device), last] = batch["rewards"]
@@ -113,7 +112,7 @@ def build(cfg: PPOConfig) -> Runner:
     source, total = make_source(cfg, lm, tok)
     reference = Reference(lm) if cfg.kl_coef else None
     if not needs_values(cfg.advantage):
-        return Runner(cfg, lm, grpo_loss_fn(cfg, reference), source, with_stats(source, pad_id(tok)),
+        return Runner(cfg, lm, grpo_loss_fn(cfg, reference), source, with_stats(source, cfg, pad_id(tok)),
                       tokenizer=tok, kind="ppo", total_steps=total)
     model = value_model(lm)
     merge = cfg.lora is None or cfg.lora.merge
@@ -122,7 +121,7 @@ def build(cfg: PPOConfig) -> Runner:
     def save(m: Any, folder: str) -> None:
         save_value_model(m, folder, merge=bool(runner and runner.saving_final and merge))
 
-    runner = Runner(cfg, model, ppo_loss_fn(cfg, reference), source, with_stats(source, pad_id(tok)),
+    runner = Runner(cfg, model, ppo_loss_fn(cfg, reference), source, with_stats(source, cfg, pad_id(tok)),
                     tokenizer=tok, kind="ppo", total_steps=total, save_fn=save, load_fn=load_value_model)
     return runner
 

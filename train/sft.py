@@ -3,14 +3,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from .common import AggregationName, make_builder, pad_id, policy_logprobs
+from .common import AggregationName, PolicyConfig, layout_collate, make_builder, pad_id, policy_logprobs
 from .data import collate, collate_packed, load_sft, pack
 from .losses import nll_loss
-from .runtime import ListSource, Runner, TrainConfig, TrainError, load_model
+from .runtime import ListSource, Runner, TrainError, load_model
 
 
-class SFTConfig(TrainConfig):
-    packing: bool = False  # pack sequences into rows of max_length (no cross-attention)
+class SFTConfig(PolicyConfig):
+    packing: bool = False  # batch_size rows each packed with sequences up to max_length (no cross-attention)
     agg: AggregationName = "token-mean"  # a name in train.losses.AGGREGATIONS
 
 def sft_loss(agg: str = "token-mean"):
@@ -28,11 +28,8 @@ def build(cfg: SFTConfig) -> Runner:
     model, tok = load_model(cfg)
     rows = load_sft(cfg.data, make_builder(cfg, model, tok))
     pid = pad_id(tok)
-    if cfg.packing:
-        items: list[Any] = pack(rows, cfg.max_length)
-        fn = lambda xs: collate_packed(xs, pid)  # noqa: E731
-    else:
-        items, fn = rows, (lambda xs: collate(xs, pid))
+    items: list[Any] = pack(rows, cfg.max_length) if cfg.packing else rows
+    fn = layout_collate(cfg, pid, collate_packed if cfg.packing else collate)
     if len(items) < cfg.batch_size:
         raise TrainError(f"{len(items)} training rows cannot fill a batch of {cfg.batch_size}")
     source = ListSource(items, cfg.batch_size, seed=cfg.seed)
