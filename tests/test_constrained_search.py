@@ -13,6 +13,7 @@ import math
 import pytest
 
 import omrl_search as om
+import omrl_search.env as env_module
 from omrl_search.agent import ReActFormat
 from omrl_search.backends.scripted import OraclePolicy
 from omrl_search.constrain import Grammar
@@ -28,7 +29,6 @@ pytest.importorskip("xgrammar")
 
 
 # --- a line world: positions 0..6, goal 4; position 2 is a ledge where nothing is listed -------
-@register_env("h2b_line")
 class LineEnv(ValueSnapshots, Env):
     name = "h2b_line"
     action_help = "Actions: `left` or `right`."
@@ -63,12 +63,10 @@ class LineEnv(ValueSnapshots, Env):
         return [Task(cls.name, f"{cls.name}-{i}", split, i, "Walk to 4.") for i in range(limit or 3)]
 
 
-@register_env("h2b_line_free")
 class FreeLineEnv(LineEnv):
     name, ledge = "h2b_line_free", -1
 
 
-@register_env("h2b_line_rules")
 class RulesLineEnv(LineEnv):
     """A syntax wider than a list: ``right`` or ``go N`` (N one of 1..3)."""
 
@@ -78,7 +76,6 @@ class RulesLineEnv(LineEnv):
         return 'action ::= "right" | "go " [1-3]'
 
 
-@register_env("h2b_line_badrules")
 class BadRulesLineEnv(LineEnv):
     name, ledge = "h2b_line_badrules", -1
 
@@ -86,7 +83,6 @@ class BadRulesLineEnv(LineEnv):
         return 'action ::= "go " dir'  # ``dir`` is not defined
 
 
-@register_env("h2b_line_open")
 class OpenLineEnv(LineEnv):
     name, ledge = "h2b_line_open", -1
 
@@ -96,6 +92,18 @@ class OpenLineEnv(LineEnv):
 
 def tasks(env: str, n: int = 3) -> list[Task]:
     return om.load_tasks(env, "test", limit=n)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _line_envs():
+    """The line worlds are registered for this module only: other test modules parametrize over
+    every registered env at collection, and these are not bundled envs."""
+    classes = (LineEnv, FreeLineEnv, RulesLineEnv, BadRulesLineEnv, OpenLineEnv)
+    for cls in classes:
+        register_env(cls.name)(cls)
+    yield
+    for cls in classes:
+        env_module._ENVS.registered.pop(cls.name, None)
 
 
 class GrammarOracle(OraclePolicy):
