@@ -15,7 +15,7 @@ from omrl_search.exports import export  # noqa: E402
 from train import dpo, grpo, ppo, sft  # noqa: E402
 from train.common import make_builder, pad_id  # noqa: E402
 from train.data import collate, load_dpo  # noqa: E402
-from train.packing import LAYOUTS, add_layout, token_logprobs  # noqa: E402
+from train.packing import LAYOUTS, add_layout, model_logprobs  # noqa: E402
 from train.runtime import TrainConfig  # noqa: E402
 
 LAYOUT_KEYS = ("model_inputs", "index")
@@ -67,9 +67,9 @@ def test_packed_rows_give_each_sequence_its_own_logprobs(layout, pack_tokens, at
     elif pack_tokens > 1000:
         assert R <= len(seqs) // 2 and held < 0.6 * total  # pairs share rows, prompts held once
     with torch.no_grad():
-        lp, _ = token_logprobs(model, batch)
+        lp, _ = model_logprobs(model, batch)
         for b, row in enumerate(seqs):
-            alone, _ = token_logprobs(model, collate([row], pid))  # the plain path, one sequence
+            alone, _ = model_logprobs(model, collate([row], pid))  # the plain path, one sequence
             m = torch.tensor(row.loss_mask, dtype=torch.bool)
             assert torch.allclose(lp[b, :len(m)][m], alone[0][m], atol=1e-5, rtol=0)
             assert lp[b, :len(m)][~m].abs().max() == 0  # nothing outside the loss tokens
@@ -83,12 +83,12 @@ def test_dataset_packed_rows_keep_sequences_apart(tiny_agent_model, rows):
     packed = pack(seqs[:4], max_length=sum(len(r.input_ids) for r in seqs[:4]))
     assert len(packed) == 1
     with torch.no_grad():
-        plain, _ = token_logprobs(model, collate_packed(packed, pid))  # block mask, full logits
-        laid, _ = token_logprobs(model, add_layout(collate_packed(packed, pid), "padded", 0))
+        plain, _ = model_logprobs(model, collate_packed(packed, pid))  # block mask, full logits
+        laid, _ = model_logprobs(model, add_layout(collate_packed(packed, pid), "padded", 0))
         start = 0
         for row in seqs[:4]:  # pack keeps input order inside a bin
             n = len(row.input_ids)
-            alone, _ = token_logprobs(model, collate([row], pid))
+            alone, _ = model_logprobs(model, collate([row], pid))
             m = torch.tensor(row.loss_mask, dtype=torch.bool)
             assert torch.allclose(plain[0, start:start + n][m], alone[0][m], atol=1e-5, rtol=0)
             assert torch.allclose(laid[0, start:start + n][m], alone[0][m], atol=1e-5, rtol=0)
@@ -159,3 +159,30 @@ def test_the_head_runs_only_where_a_loss_token_is_predicted(layout, tiny_agent_m
     assert int(cap.kept.sum()) == grad.shape[0] == n_loss  # one logit row per loss token
     assert bool((grad.abs().amax(-1) > 0).all())
     assert grad.shape[0] < 0.5 * int(batch["n_tokens"])  # far fewer than all positions
+
+
+class _NoKeep(torch.nn.Module):
+    """A causal LM whose forward knows no ``logits_to_keep`` (``strict``: refuses it; else drops
+    it silently): it returns logits at every position."""
+
+    def __init__(self, model, strict):
+        super().__init__()
+        self.model, self.strict, self.config = model, strict, model.config
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=None,
+                output_hidden_states=None, **kw):
+        if self.strict and kw:
+            raise TypeError(f"forward() got an unexpected keyword argument {next(iter(kw))!r}")
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=use_cache, output_hidden_states=output_hidden_states)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_model_without_logits_to_keep_gets_the_same_logprobs(strict, tiny_agent_model, rows):
+    seqs, pid = rows
+    model = _model(tiny_agent_model)
+    batch = add_layout(collate(seqs[:2], pid), "shared-prefix", 4096)
+    with torch.no_grad():
+        want, _ = model_logprobs(model, batch)
+        got, _ = model_logprobs(_NoKeep(model, strict), batch)
+    assert torch.equal(got, want)

@@ -10,7 +10,7 @@ from pydantic import AfterValidator, Field
 
 from .data import RowBuilder, collate
 from .losses import ADVANTAGES, AGGREGATIONS, DPO_LOSSES
-from .packing import add_layout, token_logprobs
+from .packing import add_layout, model_logprobs
 from .runtime import TrainConfig, is_peft
 
 #: config fields whose value must name an entry of a :mod:`train.losses` registry (checked when
@@ -56,7 +56,7 @@ def layout_collate(cfg: PolicyConfig, pid: int,
 def policy_logprobs(model: Any, batch: dict[str, Any]) -> Any:
     """``[B, T]`` float32 logprobs of the batch's ids, aligned with them: on loss tokens (and 0
     elsewhere) for a batch with a layout, on every token for a plain collated one."""
-    return token_logprobs(model, batch)[0]
+    return model_logprobs(model, batch)[0]
 
 
 class Reference:

@@ -3,8 +3,9 @@
 Losses read the log-probabilities of the tokens that carry loss and nothing else, so the LM head
 (a ``[hidden, vocab]`` matmul and a log-softmax over the whole vocabulary per position) runs only
 at the positions that predict them: transformers' ``logits_to_keep`` selects those hidden states
-before the head, and :func:`token_logprobs` returns ``[B, T]`` log-probabilities aligned with the
-ids, filled on loss tokens and 0 elsewhere (what every loss reads; see :mod:`train.losses`).
+before the head, and :func:`model_logprobs` returns ``[B, T]`` log-probabilities aligned with
+the ids, filled on loss tokens and 0 elsewhere (what every loss reads; see :mod:`train.losses`).
+A model without ``logits_to_keep`` gets full logits, then the same selection.
 
 ``layout`` (a policy trainer setting) chooses how the micro-batch's sequences are laid out:
 
@@ -160,7 +161,7 @@ def block_mask(position_ids: Tensor) -> Tensor:
 
 
 # --- the forward pass ---------------------------------------------------------------------------
-def token_logprobs(model: Any, batch: dict[str, Any], *, hidden: bool = False
+def model_logprobs(model: Any, batch: dict[str, Any], *, hidden: bool = False
                    ) -> tuple[Tensor, Tensor | None]:
     """``([B, T]`` float32 log-probabilities of the batch's ids on its loss tokens, 0 elsewhere;
     with ``hidden``, ``[B, T, H]`` last hidden states that predicted each loss token, 0
@@ -179,9 +180,17 @@ def token_logprobs(model: Any, batch: dict[str, Any], *, hidden: bool = False
     keep[src] = True
     compact = keep.cumsum(0) - 1  # kept position -> its row in the logits
     inputs["attention_mask"] = _for_attention(model, inputs["attention_mask"])
-    out = model(**inputs, use_cache=False, logits_to_keep=keep.view(R, N),
-                output_hidden_states=hidden)
-    logits = out.logits.reshape(-1, out.logits.shape[-1]).float()
+    try:
+        out = model(**inputs, use_cache=False, logits_to_keep=keep.view(R, N),
+                    output_hidden_states=hidden)
+    except TypeError as exc:  # a model whose forward has no logits_to_keep
+        if "logits_to_keep" not in str(exc):
+            raise
+        out = model(**inputs, use_cache=False, output_hidden_states=hidden)
+    logits = out.logits
+    if logits.dim() == 3:  # [R, N, V]: every position (logits_to_keep unknown or ignored)
+        logits = logits.reshape(R * N, -1)[keep]
+    logits = logits.float()
     rows = compact[src]
     picked = logits[rows, ids[tb, tt]] - torch.logsumexp(logits, dim=-1)[rows]
     lp = torch.zeros(B, T, dtype=torch.float32, device=ids.device)

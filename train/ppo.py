@@ -20,7 +20,7 @@ from pydantic import Field
 from .common import AdvantageName, Reference, pad_id
 from .grpo import GRPOConfig, grpo_loss_fn, make_source, needs_values, policy_loss, with_stats
 from .losses import ADVANTAGES, value_loss
-from .packing import token_logprobs
+from .packing import model_logprobs
 from .runtime import Runner, is_peft, load_model, load_weights
 
 HEAD_FILE = "value_head.safetensors"
@@ -86,7 +86,7 @@ def ppo_loss_fn(cfg: PPOConfig, reference: Reference | None):
 
     def loss_fn(model: Any, batch: dict[str, Any]) -> tuple[Any, dict[str, float]]:
         mask = batch["loss_mask"]
-        lp, hidden = token_logprobs(model.lm, batch, hidden=True)
+        lp, hidden = model_logprobs(model.lm, batch, hidden=True)
         # values[t]: the value of the state before token t (aligned like the logprobs; loss tokens)
         values = model.v_head(hidden.float()).squeeze(-1) * mask
         last = (mask * torch.arange(mask.shape[1], device=mask.device)).argmax(-1)
