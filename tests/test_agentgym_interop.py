@@ -549,6 +549,7 @@ def test_remote_sciworld_gets_its_task_description_score_100_and_stable_keys():
         raw.restore(snap)
         with pytest.raises(ReplayDivergence):  # without the normaliser the same state diverges
             raw.step("wait")
+        assert (env.divergences, raw.divergences) == (0, 1 + raw.retries)  # each retry reloads
 
 
 @pytest.mark.slow
