@@ -182,7 +182,7 @@ def identify(hello_answer: Any) -> Profile:
     """The profile of the server whose ``GET /`` answered ``hello_answer``: AgentGym's servers
     say "This is environment BabyAI." (ScienceWorld, TextCraft, ...), WebShop's "ok"."""
     text = hello_answer if isinstance(hello_answer, str) else ""
-    m = re.search(r"This is environment (\w+)", text)
+    m = re.search(r"This is environment (\S+?)\.(?:\s|$)", text)
     name = m.group(1) if m else ("WebShop" if text.strip() == "ok" else None)
     name = {"ScienceWorld": "SciWorld"}.get(name, name)
     if OMRL_HELLO in text and name is not None:

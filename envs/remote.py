@@ -286,6 +286,8 @@ class RemoteEnv(Env):
             info, valid = {"score": self._score}, True
             if self.success_score is not None:
                 success = done and self._score >= self.success_score
+            elif isinstance(out.get("success"), bool):  # an omrl server in AgentGym's dialect
+                success = out["success"]
             else:
                 success = self.profile.success(reward, self._score, done)
             self._key, self._ref = self._state_key(self._task, obs), None

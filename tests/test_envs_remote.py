@@ -91,6 +91,14 @@ def test_success_is_decided_per_agentgym_env(name, answer, success):
     assert _stepped(env, http, task).success is success
 
 
+def test_an_omrl_server_in_agentgym_dialect_says_success_itself():
+    http = ScriptedHttp({"observation": "s"}, {"observation": "a", "reward": 1.0, "done": True,
+                                               "success": False})
+    env = RemoteEnv(http.url, "x", dialect="agentgym", http=http,
+                    profile=Profile("game24", ours=True, env="game24"), _env_id=1)
+    assert _stepped(env, http, Task("x", "t", instruction="i", data={"data_idx": 0})).success is False
+
+
 def test_success_score_overrides_the_profile():
     http = ScriptedHttp({"observation": "s"}, {"observation": "a", "reward": 0.64, "score": 0.64, "done": True})
     env = RemoteEnv(http.url, "x", dialect="agentgym", http=http, profile=Profile("BabyAI"),
