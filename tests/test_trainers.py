@@ -324,7 +324,7 @@ def _seg(ids, trainable, role=None):
     ("grpo", [{"segments": [_seg([1, 2], False), _seg([5], True)], "reward": float("nan"),
                "group_id": "g"}], "1: reward must be a finite number"),
     ("grpo", [{"segments": [_seg([1, 2], False), _seg([5], True)], "group_id": "g"}],
-     "1: missing column 'reward'"),
+     "1: missing column 'value' or 'reward'"),
 ])
 def test_bad_data_fails_with_file_row_reason(kind, rows, reason, model_dir, tmp_path):
     path = _write(tmp_path / "bad.parquet", rows)

@@ -184,14 +184,17 @@ def load_dpo(paths: Sequence[str | Path], builder: RowBuilder) -> list[PairRow]:
 
 
 def load_grpo(paths: Sequence[str | Path], builder: RowBuilder) -> list[TokenRow]:
-    """GRPO rows: ``segments`` (with behaviour logprobs when known), ``reward``, ``group_id``;
-    group ids become dense integers."""
+    """GRPO rows: ``segments`` (with behaviour logprobs when known), ``value`` (the training
+    target: the row's Monte-Carlo value; omrl_search/exports.py), ``group_id``; group ids become
+    dense integers. Files written before exports had ``value`` carry the target as ``reward``,
+    which is read in its place."""
     groups: dict[Any, int] = {}
 
     def convert(row: dict[str, Any]) -> TokenRow:
-        reward = row.get("reward")
+        key = "value" if "value" in row else "reward"
+        reward = row.get(key)
         if not isinstance(reward, (int, float)) or not math.isfinite(reward):
-            raise ValueError(f"reward must be a finite number, got {reward!r}")
+            raise ValueError(f"{key} must be a finite number, got {reward!r}")
         if row.get("group_id") is None:
             raise ValueError("group_id is missing")
         seq = builder.sequence(row, "segments", None)
@@ -199,7 +202,7 @@ def load_grpo(paths: Sequence[str | Path], builder: RowBuilder) -> list[TokenRow
         seq.group = groups.setdefault(row["group_id"], len(groups))
         return seq
 
-    return _load(paths, [("segments",), ("reward",), ("group_id",)], convert)
+    return _load(paths, [("segments",), ("value", "reward"), ("group_id",)], convert)
 
 
 # --- collation -----------------------------------------------------------------------------------

@@ -60,6 +60,11 @@ class OnlineSettings(BaseModel):
     max_tokens: int = Field(64, ge=1)
     max_depth: int | None = Field(None, ge=1)
     budget: str | None = None
+    # Structured decoding while sampling. Off by default: under a grammar the recorded behaviour
+    # logprobs come from the masked, renormalised distribution, while the trainer recomputes
+    # unmasked ones, so the importance ratio would not start at 1 (docs/training.md). Until the
+    # trainer rebuilds each step's mask, constrained rollouts are for search, not for GRPO.
+    constrain: Literal["none", "format", "actions", "auto"] = "none"
     executor: str = "local"  # or e.g. "ray:workers=4": sample on Ray actors, weights pushed per round
     ray_address: str | None = None  # join this Ray cluster ("auto", "ray://HEAD:10001")
 
@@ -190,7 +195,7 @@ class RolloutSource:
         tasks = [self.tasks[(self.cursor + i) % len(self.tasks)] for i in range(on.tasks_per_round)]
         self.cursor = (self.cursor + on.tasks_per_round) % len(self.tasks)
         search = dict(strategy=on.strategy, budget=on.budget, seed=self.cfg.seed * 100_003 + self.round,
-                      max_depth=on.max_depth,
+                      max_depth=on.max_depth, constrain=on.constrain,
                       sampling=SamplingParams(temperature=on.temperature, max_tokens=on.max_tokens))
         if self.remote:
             version = runner.policy_version
@@ -216,7 +221,7 @@ class RolloutSource:
                 seq = self.builder.from_segments(row["segments"])
             except ValueError:
                 continue  # e.g. a turn cut to nothing by max_length
-            seq.reward = row["reward"]
+            seq.reward = row["value"]  # the training target (row["reward"] is the env's reward)
             seq.group = groups.setdefault(row["group_id"], len(groups))
             rows.append(seq)
         rows = assign_advantages(rows, self.cfg.advantage, self.cfg.drop_flat_groups)

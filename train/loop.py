@@ -267,8 +267,10 @@ def _all_groups_flat(path: Path) -> bool:
     import pyarrow.parquet as pq  # 0.4 s that `omrl --help` (it imports this module) need not pay
 
     spread: dict[Any, set[float]] = {}
-    for row in pq.read_table(path, columns=["group_id", "reward"]).to_pylist():
-        spread.setdefault(row["group_id"], set()).add(row["reward"])
+    table = pq.read_table(path)
+    target = "value" if "value" in table.column_names else "reward"  # older exports: reward
+    for row in table.select(["group_id", target]).to_pylist():
+        spread.setdefault(row["group_id"], set()).add(row[target])
     return all(len(rewards) <= 1 for rewards in spread.values())
 
 
