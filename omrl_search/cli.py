@@ -188,6 +188,12 @@ def _search(args: argparse.Namespace) -> int:
     env_factory = None
     if args.env_server:
         env_factory = env_server_factory(args.env_server, args.env)
+        check = getattr(env_factory, "check_tasks", None)  # a server whose tasks are not ours
+        if check is not None:
+            try:
+                check(tasks)
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
         if args.concurrency is None:  # each tree holds a server env: stay under the server's cap
             args.concurrency = getattr(env_factory, "max_envs", None)
     executor_from_args(args)  # checked here, before the output; built with the models below
