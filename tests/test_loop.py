@@ -126,3 +126,11 @@ def test_the_loop_module_calls_functions_and_loads_no_torch_until_a_trainer_runs
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                          check=True).stdout.strip()
     assert out == "[]"
+
+
+def test_missing_policy_is_refused_before_anything_is_written(tmp_path, capsys):
+    from omrl_search.cli import main
+
+    out = tmp_path / "loop"
+    assert main(["loop", "--env", "game24", "--policy", str(tmp_path / "nope"), "--out", str(out)]) == 2
+    assert "policy:" in capsys.readouterr().err and not out.exists()

@@ -382,3 +382,16 @@ def test_deepspeed_zero_on_two_cpu_processes_resumes_exactly(stage, model_dir, d
     marker = json.loads((tmp_path / "a" / "omrl-train.json").read_text())
     assert (marker["world"], marker["deepspeed_stage"]) == (2, stage)
     assert om.make_policy(f"hf:{tmp_path / 'a'}").model is not None
+
+
+def test_missing_data_file_is_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    from omrl_search.cli import main
+    import train.models
+
+    def no_model(*a, **k):  # the data check must come first
+        raise AssertionError("the model was loaded before the data files were checked")
+
+    monkeypatch.setattr(train.models, "load_model", no_model, raising=False)
+    assert main(["train", "sft", "--data", str(tmp_path / "none.parquet"), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "none.parquet: no such file" in err and len(err.strip().splitlines()) == 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterator, Literal, Sequence, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -47,6 +47,15 @@ class TrainConfig(BaseModel):
     model: str = "smollm2"  # an HF folder, a .gguf file, or "smollm2" (the bundled model)
     data: list[str] = Field(default_factory=list)  # parquet files
     out: str = "runs/train"
+
+    @field_validator("data")
+    @classmethod
+    def _data_files_exist(cls, paths: list[str]) -> list[str]:
+        """A missing data file is one line before any model loads (not after)."""
+        for path in paths:
+            if not Path(path).is_file():
+                raise ValueError(f"{path}: no such file")
+        return paths
     lr: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)

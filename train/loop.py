@@ -108,6 +108,10 @@ class LoopConfig(BaseModel):
         for name in self.first + self.then + list(self.trainer_settings):
             if name not in TRAINERS:
                 raise ValueError(f"unknown trainer {name!r} (one of {', '.join(TRAINERS)})")
+        for key in ("policy", "prm_base"):  # before loop.json or any stage is written
+            model = getattr(self, key)
+            if model != "smollm2" and not Path(model).exists():
+                raise ValueError(f"{key}: {model} does not exist (smollm2 or an HF model folder)")
 
 
 class LoopError(Exception):
