@@ -280,7 +280,12 @@ def _all_groups_flat(path: Path) -> bool:
 
 def _last_metrics(out: Path) -> dict[str, Any]:
     lines = (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []
-    return json.loads(lines[-1]) if lines else {}
+    for line in reversed(lines):  # the last complete line (a kill can tear the last one)
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            continue
+    return {}
 
 
 def eval_stage(cfg: LoopConfig, model: str, prm: str | None) -> Callable[[Path], dict]:
