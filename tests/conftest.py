@@ -136,3 +136,28 @@ def pytest_runtest_makereport(item, call):  # noqa: ARG001
 def pytest_make_collect_report(collector):  # noqa: ARG001
     outcome = yield
     _fail_missing_package_skips(outcome.get_result())
+
+
+# --- system packages `make install` could not install (no root, no sudo) ------------------------
+#: env name -> (program it needs, the skip reason naming the install command)
+_SYSTEM_NEEDS = {
+    "os": ("bwrap", "bubblewrap is not installed (the os env's sandbox): sudo apt-get install -y bubblewrap"),
+    "sciworld": ("java", "Java is not installed (ScienceWorld): sudo apt-get install -y default-jre-headless"),
+}
+
+
+def pytest_collection_modifyitems(config, items):  # noqa: ARG001
+    """Skip, with the command to run, the tests of an env whose system program is missing: the
+    env's own test file, and every parametrised test whose env parameter names it."""
+    import shutil
+
+    missing = {env: reason for env, (prog, reason) in _SYSTEM_NEEDS.items() if shutil.which(prog) is None}
+    if not missing:
+        return
+    files = {"os": "test_envs_os.py", "sciworld": "test_envs_sciworld.py"}
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        names = {str(v).split("-")[0] for v in params.values() if isinstance(v, str)}
+        for env, reason in missing.items():
+            if item.fspath.basename == files[env] or env in names:
+                item.add_marker(pytest.mark.skip(reason=reason))
