@@ -287,3 +287,18 @@ def test_a_search_that_cannot_start_is_its_own_tasks_fault():
     results = Engine(OraclePolicy(0.0), agent_format=NoPrompts()).run(om.make_strategy("react"), TASKS[:2])
     assert results[0].faults == ["engine: MemoryError: no room for prompts"]
     assert results[0].stop_reason == "error" and results[1].success
+
+
+@pytest.mark.slow
+def test_unbudgeted_dfsdt_stops_at_the_default_node_cap_in_bounded_memory():
+    """The run that once grew one Sokoban tree to 1.08 million nodes (~7.5 GB): with no budget,
+    every tree now stops at the default cap, and the process stays far below that memory."""
+    import resource
+
+    tasks = om.load_tasks("sokoban", "test", limit=3)
+    results = om.search_many(tasks, strategy="dfsdt", policy="scripted:random", seed=0)
+    capped = [r for r in results if r.stop_reason == f"cap:nodes={DEFAULT_MAX_NODES}"]
+    assert capped, [r.stop_reason for r in results]
+    assert all(len(r.tree.nodes) <= DEFAULT_MAX_NODES + 1 for r in results)
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    assert peak_mb < 2048, f"peak RSS {peak_mb:.0f} MB"
