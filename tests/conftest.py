@@ -159,5 +159,5 @@ def pytest_collection_modifyitems(config, items):  # noqa: ARG001
         params = getattr(getattr(item, "callspec", None), "params", {})
         names = {str(v).split("-")[0] for v in params.values() if isinstance(v, str)}
         for env, reason in missing.items():
-            if item.fspath.basename == files[env] or env in names:
+            if item.path.name == files[env] or env in names:
                 item.add_marker(pytest.mark.skip(reason=reason))
