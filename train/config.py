@@ -53,7 +53,7 @@ class TrainConfig(BaseModel):
     def _data_files_exist(cls, paths: list[str]) -> list[str]:
         """A missing data file is one line before any model loads (not after)."""
         for path in paths:
-            if not Path(path).is_file():
+            if not Path(path).exists():  # a parquet file, or a folder of them (label files)
                 raise ValueError(f"{path}: no such file")
         return paths
     lr: float = Field(1e-5, gt=0)
