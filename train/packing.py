@@ -9,7 +9,9 @@ A model without ``logits_to_keep`` gets full logits, then the same selection.
 
 ``layout`` (a policy trainer setting) chooses how the micro-batch's sequences are laid out:
 
-* ``padded`` — one row per sequence, right-padded to the longest, a 2D attention mask;
+* ``padded`` — one row per sequence, right-padded to the longest; plain causal attention, no
+  mask (no real token attends to the padding after it; kernels with a faster causal path, e.g.
+  flash attention on GPUs, take it);
 * ``packed`` — sequences back to back in rows of about ``pack_tokens`` tokens, each with its own
   position ids (0, 1, ...) and a 4D boolean attention mask in which a token sees the earlier
   tokens of its own sequence only: no padding, no attention across sequences;
@@ -59,11 +61,12 @@ def add_layout(batch: dict[str, Any], layout: str, pack_tokens: int) -> dict[str
         batch["model_inputs"] = {"input_ids": ids, "position_ids": pos, "attention_mask": block_mask(pos)}
         batch["index"] = torch.arange(B * T).view(B, T)
         return batch
-    att = batch["attention_mask"]
     if layout == "padded":
-        batch["model_inputs"] = {"input_ids": ids, "attention_mask": att}
+        # right padding: no real token attends to the padding after it, so no mask is needed
+        batch["model_inputs"] = {"input_ids": ids}
         batch["index"] = torch.arange(B * T).view(B, T)
         return batch
+    att = batch["attention_mask"]
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r} (one of {', '.join(LAYOUTS)})")
     lengths = att.sum(-1).tolist()
@@ -90,7 +93,8 @@ def pack_sequences(seqs: Sequence[Sequence[int]], *, share: bool, max_tokens: in
     meet, a row is a prefix tree (equal prefixes stored once), and a sequence joins the current
     row only if :data:`MIN_SHARED` of it is there already. Returns the model
     inputs (``input_ids``, ``position_ids`` ``[R, N]``, ``attention_mask`` ``[R, 1, N, N]``
-    bool) and, per sequence, the flattened index (``row * N + column``) of each of its tokens."""
+    bool; only ``input_ids`` when every row holds one sequence: plain causal attention then) and,
+    per sequence, the flattened index (``row * N + column``) of each of its tokens."""
     order = sorted(range(len(seqs)), key=lambda i: list(seqs[i])) if share else range(len(seqs))
     rows: list[dict[str, Any]] = []
     placed: dict[int, tuple[int, list[int]]] = {}
@@ -109,17 +113,20 @@ def pack_sequences(seqs: Sequence[Sequence[int]], *, share: bool, max_tokens: in
         placed[i] = (len(rows) - 1, cols)
     N = max(len(r["ids"]) for r in rows) if rows else 1
     R = max(len(rows), 1)
+    index = [[placed[i][0] * N + c for c in placed[i][1]] for i in range(len(seqs))]
     input_ids = torch.zeros(R, N, dtype=torch.long)
     position_ids = torch.zeros(R, N, dtype=torch.long)
-    attn = torch.eye(N, dtype=torch.bool).repeat(R, 1, 1)  # padding columns see themselves only
     for r, row in enumerate(rows):
         n = len(row["ids"])
         input_ids[r, :n] = torch.tensor(row["ids"], dtype=torch.long)
         position_ids[r, :n] = torch.tensor(row["pos"], dtype=torch.long)
+    if all(len(row["paths"]) == 1 for row in rows):  # one sequence a row: plain causal, as padded
+        return {"input_ids": input_ids}, index
+    attn = torch.eye(N, dtype=torch.bool).repeat(R, 1, 1)  # padding columns see themselves only
+    for r, row in enumerate(rows):
         for cols in row["paths"]:  # a token sees its sequence's earlier tokens (its tree ancestors)
             c = torch.tensor(cols, dtype=torch.long)
             attn[r][c.unsqueeze(1), c.unsqueeze(0)] |= torch.ones(len(c), len(c), dtype=torch.bool).tril()
-    index = [[placed[i][0] * N + c for c in placed[i][1]] for i in range(len(seqs))]
     return {"input_ids": input_ids, "position_ids": position_ids,
             "attention_mask": attn.unsqueeze(1)}, index
 
@@ -179,7 +186,8 @@ def model_logprobs(model: Any, batch: dict[str, Any], *, hidden: bool = False
     keep = torch.zeros(R * N, dtype=torch.bool, device=ids.device)
     keep[src] = True
     compact = keep.cumsum(0) - 1  # kept position -> its row in the logits
-    inputs["attention_mask"] = _for_attention(model, inputs["attention_mask"])
+    if "attention_mask" in inputs:
+        inputs["attention_mask"] = _for_attention(model, inputs["attention_mask"])
     try:
         out = model(**inputs, use_cache=False, logits_to_keep=keep.view(R, N),
                     output_hidden_states=hidden)
