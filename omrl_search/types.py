@@ -119,6 +119,10 @@ class Step:
     completion_ids: list[int] | None = None
     logprobs: list[float] | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    #: the grammar the completion was sampled under, as a plain dict of the
+    #: :class:`~omrl_search.constrain.Grammar` fields (kind, rules, source, think, act), so a
+    #: trainer can rebuild the masks and compute the same masked logprobs; None: unconstrained
+    grammar: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -167,6 +171,9 @@ class Generation:
     ended_with_eos: bool = False
     constraint: str = "none"
     constraint_check: str = ""
+    #: of ``prompt_tokens``, how many came from a prefix cache and were not prefilled again
+    #: (0 for backends without one); budgets can count ``prefill_tokens`` (the rest) apart
+    cached_tokens: int = 0
 
     @property
     def constrained(self) -> bool:
