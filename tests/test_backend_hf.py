@@ -71,6 +71,7 @@ def test_shared_prefix_prefilled_once(policy: HFPolicy, monkeypatch) -> None:
     msgs = [[system, {"role": "user", "content": t}] for t in ("take key", "open the door now", "look")]
     reqs = [req(policy, m, temperature=0.0, max_tokens=10) for m in msgs]
     monkeypatch.setattr(policy, "min_shared_prefix", 1)
+    policy.prefix_cache.clear()  # (else earlier tests' prompts serve the prefix from the cache)
     calls = []
     forward = policy.model.forward
     monkeypatch.setattr(policy.model, "forward", lambda *a, **k: calls.append(k["input_ids"].shape) or forward(*a, **k))

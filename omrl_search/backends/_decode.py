@@ -24,7 +24,7 @@ class Row:
     its own random stream ``rng``, seeded from ``seed`` (its request's seed and sample index)."""
 
     __slots__ = ("prompt_len", "limit", "tok", "eos", "stops", "max_stop", "ids", "lps", "checked",
-                 "result", "rng", "params")
+                 "result", "rng", "params", "cached")
 
     def __init__(self, prompt: Sequence[int], params: Any, limit: int, tokenizer: Any,
                  seed: str = "") -> None:
@@ -40,6 +40,7 @@ class Row:
         self.lps: list[float] = []
         self.checked = 0  # length of the decoded text already searched for stop strings
         self.result: Generation | None = None
+        self.cached = 0  # prompt tokens a prefix cache served (Generation.cached_tokens)
 
     def push(self, token: int, logprob: float) -> bool:
         """Append one sampled token; return True (and set ``result``) when the sequence ends."""
@@ -68,6 +69,7 @@ class Row:
             completion_tokens=len(self.ids),
             finish_reason=reason,
             ended_with_eos=eos,
+            cached_tokens=self.cached,
         )
         return True
 
@@ -126,6 +128,11 @@ class ChunkedDecoder:
         be dropped from the batch. Return the batch rows kept (a superset of ``keep``, in
         order) and their next logits."""
         raise NotImplementedError
+
+    def _end_chunk(self, state: Any, active: list[int]) -> None:
+        """Called once every row of a chunk has ended (``active[j]``: the chunk row still in
+        batch row ``j``), before the state is dropped: a backend with a prefix cache stores
+        the rows' sequences here."""
 
     # --- structured decoding (optional; see omrl_search.constrain) ---------------------------
     #: the backend masks logits with a grammar (``GenRequest.grammar``)
@@ -202,6 +209,7 @@ class ChunkedDecoder:
                 keep = [j for j, b in enumerate(active) if rows[b].result is None]
                 kept, logits = self._step(state, tokens, active, keep)
                 active = [active[j] for j in kept]
+            self._end_chunk(state, active)
         finally:
             for g in guides:
                 if g is not None:

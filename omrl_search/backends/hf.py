@@ -37,6 +37,7 @@ from ..policy import (Policy, PolicyError, from_path_spec, register_policy, requ
                       require)
 from ..types import GenRequest
 from ._decode import ChunkedDecoder, Row, prefix_groups
+from ._prefix_cache import RadixCache
 from .hf_tokenizer import HFChatTokenizer
 
 #: the CPU dtype used when ``dtype="auto"`` (on CPUs with native bfloat16, see
@@ -45,6 +46,9 @@ from .hf_tokenizer import HFChatTokenizer
 #: float32 under batched load. Logprobs then come from bfloat16 logits (like vLLM's); pass
 #: ``dtype="float32"`` when they must match a float32 trainer's recomputation closely.
 CPU_DEFAULT_DTYPE = "bfloat16"
+
+#: memory bound of the prefix cache (``prefix_cache_mb``), in MiB of KV tensors
+DEFAULT_PREFIX_CACHE_MB = 1024
 
 
 def _cpu_auto_dtype(torch: Any) -> str:
@@ -98,6 +102,8 @@ class HFPolicy(ChunkedDecoder, Policy):
         max_batch: int = 32,
         gguf_file: str | None = None,
         attn_implementation: str | None = None,
+        prefix_cache: Any = True,
+        prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
     ) -> None:
         self._torch = require("torch", "hf")
         require("transformers", "hf")
@@ -120,6 +126,7 @@ class HFPolicy(ChunkedDecoder, Policy):
         self._gen = torch.Generator(device="cpu")
         self._gen.seed()
         self._token_masker: Any = None  # xgrammar for this tokenizer, made on the first grammar
+        self.prefix_cache = _make_prefix_cache(prefix_cache, prefix_cache_mb)
 
     # --- loading ------------------------------------------------------------------------
     def _load(self, path: str, gguf_file: str | None, load_tokenizer: bool) -> tuple[Any, Any]:
@@ -162,9 +169,17 @@ class HFPolicy(ChunkedDecoder, Policy):
             raise PolicyError(f"hf: {path!r} has a different vocabulary size than the loaded model")
         self.model = model
         self.path = path
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()  # KV of the old weights
 
     def close(self) -> None:
         self.model = None
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
+    def stats(self) -> dict[str, Any]:
+        """The prefix cache's counters (hit rate, tokens served, evictions), when it is on."""
+        return {} if self.prefix_cache is None else {"prefix_cache": self.prefix_cache.stats()}
 
     # --- generation ---------------------------------------------------------------------
     def _prompt_ids(self, req: GenRequest) -> list[int]:
@@ -182,7 +197,9 @@ class HFPolicy(ChunkedDecoder, Policy):
         return self._max_positions
 
     def _order_key(self, prompt: list[int]) -> int:
-        return len(prompt)
+        # the tokens left to prefill: rows with as much new work share a chunk (less padding)
+        pc = self.prefix_cache
+        return len(prompt) - (pc.match_len(prompt[:-1]) if pc is not None else 0)
 
     def _decoding(self) -> Any:
         return self._torch.inference_mode()
@@ -191,48 +208,180 @@ class HFPolicy(ChunkedDecoder, Policy):
                  rows: list[Row]) -> tuple[dict[str, Any], Any]:
         torch = self._torch
         dev = self.device
-        tok = self.tokenizer
-        # distinct prompts of this chunk, each prefilled once
+        # distinct prompts of this chunk, each prefilled once, then fanned out to its rows
         uniq: dict[int, int] = {}
         for ri, _ in chunk:
             uniq.setdefault(ri, len(uniq))
-        uprompts = [prompts[ri] for ri in uniq]
-        U = len(uprompts)
-        # shared prefixes (the system prompt, one task's prompt...) are prefilled once each: level
-        # by level, each row left padded on top of its parent row of the level before
-        levels = _prefill_levels(uprompts, self.min_shared_prefix, self.group_prefixes)
+        cache, mask, logits, cached = self._prefill_prompts([prompts[ri] for ri in uniq],
+                                                            max(r.limit for r in rows))
+        sel = [uniq[ri] for ri, _ in chunk]
+        for row, u in zip(rows, sel):
+            row.cached = cached[u]
+        if sel != list(range(len(uniq))):
+            idx = torch.tensor(sel, device=dev)
+            cache.batch_select_indices(idx)
+            logits, mask = logits[idx], mask[idx]
+        params = [r.params for r in rows]
+        state = {
+            "cache": cache, "mask": mask, "rows": rows,
+            "prompts": [prompts[ri] for ri, _ in chunk],
+            "next_pos": torch.tensor([len(prompts[ri]) for ri, _ in chunk], device=dev),
+            "temps": torch.tensor([max(p.temperature, 0.0) for p in params], device=dev),
+            "top_ps": torch.tensor([p.top_p if 0.0 < p.top_p < 1.0 else 1.0 for p in params], device=dev),
+        }
+        return state, logits
+
+    def _prefill_prompts(self, prompts: list[list[int]], extra: int) -> tuple[Any, Any, Any, list[int]]:
+        """Run distinct ``prompts`` through the model: a batched KV cache (one row per prompt,
+        left padded, room for ``extra`` more tokens), its attention mask, the logits of each
+        prompt's next token, and how many of each prompt's tokens came from the prefix cache.
+
+        With the prefix cache on, each prompt's longest cached prefix (leaving it one token) is
+        copied into the batch and only the rest is prefilled; with no hit in the chunk, shared
+        prefixes are prefilled once each (:func:`_prefill_levels`). Each prompt's KV then goes
+        into the prefix cache."""
+        torch = self._torch
+        dev = self.device
+        pc = self.prefix_cache
+        U = len(prompts)
+        hits = [pc.lookup(p, len(p) - 1, self.min_shared_prefix) if pc is not None else (0, [])
+                for p in prompts]
+        cached = [n for n, _ in hits]
+        Wc = max(cached)
+        if Wc:  # one level on top of the cached prefixes
+            levels: list[Level] = [([(u, cached[u], len(p)) for u, p in enumerate(prompts)], None)]
+        else:  # shared prefixes (the system prompt, one task's prompt...) prefilled once each
+            levels = _prefill_levels(prompts, self.min_shared_prefix, self.group_prefixes)
         widths = [max(e - s for _, s, e in lrows) for lrows, _ in levels]
-        cache = _make_cache(self.model.config, capacity=sum(widths) + max(r.limit for r in rows))
+        cache = _make_cache(self.model.config, capacity=Wc + sum(widths) + extra)
         mask = None
+        if Wc:
+            mask = self._load_cached(cache, hits, Wc)
         for (lrows, parents), W in zip(levels, widths):
             if parents is not None:
                 idx = torch.tensor(parents, device=dev)
                 cache.batch_select_indices(idx)
                 mask = mask[idx]
-            ids = torch.full((len(lrows), W), tok.pad_token_id, dtype=torch.long)
+            ids = torch.full((len(lrows), W), self.tokenizer.pad_token_id, dtype=torch.long)
             seg = torch.zeros((len(lrows), W), dtype=torch.long)
             for r, (u, s, e) in enumerate(lrows):
-                ids[r, W - (e - s):] = torch.tensor(uprompts[u][s:e], dtype=torch.long)
+                ids[r, W - (e - s):] = torch.tensor(prompts[u][s:e], dtype=torch.long)
                 seg[r, W - (e - s):] = 1
             pos = torch.tensor([[s] for _, s, _ in lrows]) + (seg.cumsum(-1) - 1).clamp(min=0)
             seg = seg.to(dev)
             mask = seg if mask is None else torch.cat([mask, seg], dim=1)
             o = self.model(input_ids=ids.to(dev), attention_mask=mask, position_ids=pos.to(dev),
                            past_key_values=cache, use_cache=True, logits_to_keep=1)
-        logits = o.logits[:, -1, :].float()
-        sel = [uniq[ri] for ri, _ in chunk]
-        if sel != list(range(U)):
-            idx = torch.tensor(sel, device=dev)
-            cache.batch_select_indices(idx)
-            logits, mask = logits[idx], mask[idx]
-        params = [r.params for r in rows]
-        state = {
-            "cache": cache, "mask": mask,
-            "next_pos": torch.tensor([len(prompts[ri]) for ri, _ in chunk], device=dev),
-            "temps": torch.tensor([max(p.temperature, 0.0) for p in params], device=dev),
-            "top_ps": torch.tensor([p.top_p if 0.0 < p.top_p < 1.0 else 1.0 for p in params], device=dev),
-        }
-        return state, logits
+        if pc is not None:
+            for u, p in enumerate(prompts):
+                self._remember(cache, mask, u, p)
+        return cache, mask, o.logits[:, -1, :].float(), cached
+
+    def _load_cached(self, cache: Any, hits: list[tuple[int, list[Any]]], W: int) -> Any:
+        """Copy each row's cached prefix (right-aligned in ``W`` columns) into the empty batch
+        ``cache``; return the columns' attention mask."""
+        torch = self._torch
+        U = len(hits)
+        first = next(parts[0] for n, parts in hits if n)
+        L, _, H, _, D = first.shape
+        if len(cache.layers) != L or not all(hasattr(layer, "_n") for layer in cache.layers):
+            raise PolicyError("hf: the prefix cache needs a plain KV cache (no sliding-window or "
+                              "quantized layers); pass prefix_cache=off")
+        seg = torch.zeros((U, W), dtype=torch.long, device=self.device)
+        for u, (n, _) in enumerate(hits):
+            seg[u, W - n:] = 1 if n else 0
+        for l, layer in enumerate(cache.layers):
+            k = first.new_zeros((U, H, W, D))
+            v = first.new_zeros((U, H, W, D))
+            for u, (n, parts) in enumerate(hits):
+                at = W - n
+                for part in parts:
+                    t = part.shape[-2]
+                    k[u, :, at:at + t] = part[l, 0]
+                    v[u, :, at:at + t] = part[l, 1]
+                    at += t
+            layer.update(k, v)
+        return seg
+
+    def _remember(self, cache: Any, mask: Any, b: int, tokens: list[int]) -> None:
+        """Store batch row ``b``'s KV for ``tokens`` (its first ``len(tokens)`` unmasked
+        columns) in the prefix cache; only the part the cache lacks is gathered."""
+        cols = mask[b].nonzero().squeeze(1)[:len(tokens)]
+        torch = self._torch
+
+        def kv_of(s: int, e: int) -> Any:
+            c = cols[s:e]
+            return torch.stack([torch.stack([layer.keys[b][:, c], layer.values[b][:, c]])
+                                for layer in cache.layers])
+
+        self.prefix_cache.insert(tokens, kv_of)  # type: ignore[union-attr]
+
+    def _remember_rows(self, state: dict[str, Any], batch_rows: list[int], active: list[int]) -> None:
+        """Store the prompt and the generated tokens already fed (all but the last) of each
+        ended ``batch_rows`` (chunk row ``active[j]``): the next step's prompt extends them."""
+        for j in batch_rows:
+            b = active[j]
+            ids = state["rows"][b].ids
+            if len(ids) > 1:
+                self._remember(state["cache"], state["mask"], j, state["prompts"][b] + ids[:-1])
+
+    def _end_chunk(self, state: dict[str, Any], active: list[int]) -> None:
+        if self.prefix_cache is not None:
+            self._remember_rows(state, list(range(len(active))), active)
+
+    # --- scoring given completions (Policy.score) ----------------------------------------
+    def score(self, requests: list[GenRequest], completions: list[list[str]]) -> list[list[float]]:
+        """Per request, the total logprob of each completion text (its tokens encoded after
+        the prompt) under the raw model distribution (no grammar mask, temperature 1). Each
+        distinct prompt of a chunk is prefilled once (through the prefix cache), then the
+        chunk's candidates run in one forward on top of their prompts, right padded."""
+        self._check_open()
+        if len(requests) != len(completions):
+            raise PolicyError(f"hf: score got {len(requests)} requests and {len(completions)} "
+                              "lists of completions")
+        torch = self._torch
+        prompts = [self._prompt_ids(r) for r in requests]
+        cands = [[self.tokenizer.encode(c) for c in comps] for comps in completions]
+        out = [[0.0] * len(c) for c in cands]
+        pairs = [(i, j) for i, cs in enumerate(cands) for j, ids in enumerate(cs) if ids]
+        for i, j in pairs:
+            if len(prompts[i]) + len(cands[i][j]) > self._max_positions:
+                raise PolicyError(f"hf: prompt and completion of {len(prompts[i]) + len(cands[i][j])} "
+                                  f"tokens do not fit max_position_embeddings={self._max_positions}")
+        dev = self.device
+        with torch.inference_mode():
+            for start in range(0, len(pairs), self.max_batch):
+                chunk = pairs[start:start + self.max_batch]
+                uniq: dict[int, int] = {}
+                for i, _ in chunk:
+                    uniq.setdefault(i, len(uniq))
+                W = max(len(cands[i][j]) for i, j in chunk)
+                cache, mask, first, _ = self._prefill_prompts([prompts[i] for i in uniq], W)
+                idx = torch.tensor([uniq[i] for i, _ in chunk], device=dev)
+                cache.batch_select_indices(idx)
+                mask, first = mask[idx], first[idx]
+                B = len(chunk)
+                ids = torch.full((B, W), self.tokenizer.pad_token_id, dtype=torch.long)
+                seg = torch.zeros((B, W), dtype=torch.long)
+                for r, (i, j) in enumerate(chunk):
+                    c = cands[i][j]
+                    ids[r, :len(c)] = torch.tensor(c, dtype=torch.long)
+                    seg[r, :len(c)] = 1
+                pos = torch.tensor([[len(prompts[i])] for i, _ in chunk]) + torch.arange(W)[None]
+                pos = pos.clamp(max=self._max_positions - 1)
+                mask = torch.cat([mask, seg.to(dev)], dim=1)
+                ids = ids.to(dev)
+                o = self.model(input_ids=ids, attention_mask=mask, position_ids=pos.to(dev),
+                               past_key_values=cache, use_cache=True)
+                # logits predicting token t of a candidate: the prompt's last, then the candidate's
+                logits = torch.cat([first[:, None], o.logits[:, :-1].float()], dim=1)
+                lp = torch.log_softmax(logits, dim=-1).gather(2, ids[:, :, None]).squeeze(2)
+                totals = torch.where(seg.to(dev).bool(), lp, 0.0).sum(dim=1).tolist()
+                for r, (i, j) in enumerate(chunk):
+                    out[i][j] = totals[r]
+                    if self.prefix_cache is not None:  # the chosen step's prompt extends this
+                        self._remember(cache, mask, r, prompts[i] + cands[i][j])
+        return out
 
     def _sample_rows(self, state: dict[str, Any], logits: Any,
                      rows: list[Row]) -> tuple[list[int], list[float]]:
@@ -260,6 +409,9 @@ class HFPolicy(ChunkedDecoder, Policy):
         kept = list(range(len(tokens)))
         # drop finished rows (a KV copy) once they are a quarter of the batch
         if len(tokens) - len(keep) >= max(1, len(tokens) // 4):
+            if self.prefix_cache is not None:
+                gone = set(keep)
+                self._remember_rows(st, [j for j in range(len(tokens)) if j not in gone], active)
             kidx = torch.tensor(keep, device=self.device)
             st["cache"].batch_select_indices(kidx)
             for key in ("mask", "next_pos", "temps", "top_ps"):
@@ -294,6 +446,18 @@ class HFPolicy(ChunkedDecoder, Policy):
             sampled = (order.gather(1, choice) if order is not None else choice).squeeze(1)
             tokens = torch.where(greedy, tokens, sampled)
         return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _make_prefix_cache(on: Any, mb: Any) -> RadixCache | None:
+    """The ``prefix_cache`` / ``prefix_cache_mb`` options as a cache (None: off), or one line
+    saying which value is wrong."""
+    if isinstance(on, str) and on.lower() in ("on", "off", "true", "false"):
+        on = on.lower() in ("on", "true")
+    if not isinstance(on, bool) and on not in (0, 1):
+        raise PolicyError(f"hf: prefix_cache must be on or off (got {on!r})")
+    if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb > 0:
+        raise PolicyError(f"hf: prefix_cache_mb must be a number of MiB > 0 (got {mb!r})")
+    return RadixCache(mb) if on else None
 
 
 def _make_cache(config: Any, capacity: int) -> Any:
