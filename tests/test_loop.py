@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _argv(model: str, out: Path, steps: int = 24) -> list[str]:
     return ["loop", "--env", "game24", "--policy", model, "--prm-base", model, "--rounds", "1",
             "--out", str(out), "--train-limit", "3", "--test-limit", "2", "--expert-demos", "6",
+            "--dev-limit", "3", "--set", "dev_strategies=react", "--set", "dev_budget=tokens=1200",
             "--search-strategy", "best_of_n:n=2", "--search-budget", "tokens=2500",
             "--strategies", "react,mcts", "--budgets", "tokens=1200", "--max-tokens", "12",
             "--no-progress", "--set", "prm_settings.max_steps=3", "--set", "prm_settings.batch_size=2", "--set", "prm_settings.keep_layers=null",
@@ -39,7 +40,7 @@ def _outcome(out: Path) -> dict:
         summary = json.loads((out / f"round_{r}" / "eval" / "summary.json").read_text())
         figures[r] = {name: {b: {k: v for k, v in s.items() if k != "seconds"} for b, s in per.items()}
                       for name, per in summary["strategies"].items()}
-    weights = out / "round_1" / "policy" / "sft" / "model.safetensors"
+    weights = out / "round_1" / "train_sft" / "model" / "model.safetensors"
     return {"eval": figures, "weights": hashlib.sha256(weights.read_bytes()).hexdigest(),
             "report": (out / "report.md").read_text()}
 
@@ -54,21 +55,21 @@ def test_killed_loop_resumes_to_the_unbroken_result(tiny_agent_model, tmp_path):
     subprocess.run(_cmd(_argv(tiny_agent_model, whole)), check=True, env=env, cwd=ROOT,
                    capture_output=True, timeout=300)
     stages = sorted(p.parent.relative_to(whole).as_posix() for p in whole.glob("round_*/*/stage.json"))
-    assert stages == ["round_0/eval", "round_1/data", "round_1/eval", "round_1/labels",
-                      "round_1/policy", "round_1/prm", "round_1/search"]
+    assert stages == ["round_0/dev", "round_0/eval", "round_1/data", "round_1/dev_sft", "round_1/eval",
+                      "round_1/labels", "round_1/prm", "round_1/search", "round_1/train_sft"]
     assert json.loads((whole / "round_1/prm/stage.json").read_text())["trained"]
 
     broken = tmp_path / "broken"
     proc = subprocess.Popen(_cmd(_argv(tiny_agent_model, broken)), env=env, cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    ckpts = broken / "round_1" / "policy.partial" / "sft" / "checkpoints"
+    ckpts = broken / "round_1" / "train_sft.partial" / "model" / "checkpoints"
     deadline = time.monotonic() + 240
     while not any(ckpts.glob("step-*/trainer_state.pt")) and proc.poll() is None:
         assert time.monotonic() < deadline, "the training stage never wrote a checkpoint"
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert not (broken / "round_1" / "policy" / "stage.json").exists()  # killed inside the stage
+    assert not (broken / "round_1" / "train_sft" / "stage.json").exists()  # killed inside the stage
     assert (broken / "round_1" / "search" / "stage.json").exists()
 
     subprocess.run(_cmd(_argv(tiny_agent_model, broken)), check=True, env=env, cwd=ROOT,
@@ -103,19 +104,20 @@ def test_grpo_is_skipped_when_every_group_is_flat(tmp_path):
     a skip instead of spending a training stage on it; one group with a spread is trained."""
     import pandas as pd
 
-    from train.loop import LoopConfig, _all_groups_flat, policy_stage
+    from train.loop import LoopConfig
+    from train.loop_stages import all_groups_flat, train_stage
 
     data = tmp_path / "round_2" / "data"
     data.mkdir(parents=True)
     flat = pd.DataFrame({"group_id": ["a", "a", "b", "b"], "reward": [0.0, 0.0, 1.0, 1.0]})
     flat.to_parquet(data / "grpo.parquet")
     cfg = LoopConfig(out=str(tmp_path), then=["grpo"])
-    info = policy_stage(cfg, 2, "some/model")(tmp_path / "policy.partial")
-    assert info == {"model": "some/model", "trained": [
-        {"trainer": "grpo", "skipped": "every group's rewards are equal (no signal)"}]}
+    info = train_stage(cfg, 2, "grpo", "some/model")(tmp_path / "train_grpo.partial")
+    assert info == {"trainer": "grpo", "from": "some/model",
+                    "skipped": "every group's rewards are equal (no signal)"}
     pd.DataFrame({"group_id": ["a", "a", "b", "b"], "reward": [0.0, 0.0, 0.0, 1.0]}).to_parquet(
         data / "grpo.parquet")
-    assert not _all_groups_flat(data / "grpo.parquet")
+    assert not all_groups_flat(data / "grpo.parquet")
 
 
 def test_the_loop_module_calls_functions_and_loads_no_torch_until_a_trainer_runs():

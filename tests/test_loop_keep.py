@@ -1,0 +1,111 @@
+"""Keep-best in ``omrl loop``, with scripted policies standing in for trained checkpoints: a stage
+whose policy is significantly worse on the dev slice is rejected (training goes on from the kept
+one), a stage that is not worse is kept, a better one becomes the best; each decision and its
+reason is recorded in the stage, the round's summary and the report. Also: the dev slice is
+disjoint by puzzle from every task the run searched, and the statistics of the decision."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+import omrl_search as om
+from train import loop_stages
+from train.loop import LoopConfig, run_loop
+from train.loop_select import check_disjoint, decide, dev_slice, puzzle_key, without
+
+#: what each fake training stage "produces": a scripted policy of known quality
+PRODUCES = {"sft": "scripted:oracle:p=0.05", "rs_sft": "scripted:oracle:p=1.0",
+            "dpo": "scripted:oracle:p=0.05"}
+
+
+@pytest.fixture
+def fake_trainers(monkeypatch):
+    calls = []
+
+    def run_trainer(kind, settings):
+        calls.append((kind, settings["model"]))
+        return PRODUCES[kind]
+
+    monkeypatch.setattr(loop_stages, "run_trainer", run_trainer)
+    return calls
+
+
+def _cfg(tmp_path, **kw) -> LoopConfig:
+    base = dict(env="game24", policy="scripted:oracle:p=0.4", rounds=2, out=str(tmp_path / "run"),
+                prm=False, train_limit=6, search_strategy="best_of_n:n=3", search_budget="tokens=100000",
+                first=["sft"], then=["rs_sft", "dpo"], dev_limit=40, dev_strategies="react",
+                dev_budget="tokens=100000", test_limit=8, eval_strategies="react",
+                eval_budgets="tokens=100000", progress=False)
+    return LoopConfig(**{**base, **kw})
+
+
+def test_worse_stage_rejected_not_worse_kept_and_recorded(tmp_path, fake_trainers):
+    cfg = _cfg(tmp_path)
+    run_loop(cfg)
+    root = tmp_path / "run"
+    sft = json.loads((root / "round_1/dev_sft/stage.json").read_text())["decision"]
+    rs = json.loads((root / "round_2/dev_rs_sft/stage.json").read_text())["decision"]
+    dpo = json.loads((root / "round_2/dev_dpo/stage.json").read_text())["decision"]
+    assert sft["keep"] and sft["new_best"] and "new best" in sft["reason"]
+    assert not rs["keep"] and not rs["new_best"] and "significantly worse" in rs["reason"]
+    assert rs["tests"]["react"]["p_value"] < 0.05 and rs["tests"]["react"]["diff"] < 0
+    # equal to the best on every dev task: kept (training goes on from it), the best stays
+    assert dpo["keep"] and not dpo["new_best"] and dpo["tests"]["react"]["p_value"] == 1.0
+    # the rejected stage's checkpoint is not trained from: dpo starts from sft's policy
+    assert fake_trainers == [("sft", cfg.policy), ("rs_sft", PRODUCES["sft"]), ("dpo", PRODUCES["sft"])]
+    summary = json.loads((root / "round_2/loop_summary.json").read_text())
+    assert [(s["trainer"], s["decision"]["keep"]) for s in summary["stages"]] == [("rs_sft", False), ("dpo", True)]
+    assert summary["best"]["where"] == "round 1, sft"
+    assert json.loads((root / "best.json").read_text())["model"] == PRODUCES["sft"]
+    report = (root / "report.md").read_text()
+    assert "**rejected**" in report and "**new best**" in report and "Best checkpoint: `scripted:oracle:p=0.05`" in report
+    assert "Wilson" in report and "round 2 vs 1" in report
+
+
+def test_a_worse_first_stage_leaves_the_base_as_best(tmp_path, fake_trainers, monkeypatch):
+    monkeypatch.setitem(PRODUCES, "sft", "scripted:oracle:p=1.0")
+    cfg = _cfg(tmp_path, rounds=1, policy="scripted:oracle:p=0.1")
+    run_loop(cfg)
+    best = json.loads((tmp_path / "run" / "best.json").read_text())
+    assert best["model"] == cfg.policy and best["where"] == "round 0, base" and best["current"] == cfg.policy
+    test = json.loads((tmp_path / "run/round_1/eval/stage.json").read_text())
+    assert test["policy"] == cfg.policy  # the round's held-out eval is of the kept policy
+
+
+def test_the_dev_slice_is_disjoint_by_puzzle_from_everything_searched(tmp_path, fake_trainers):
+    cfg = _cfg(tmp_path, rounds=1, expert_demos=30)
+    run_loop(cfg)
+    root = tmp_path / "run"
+    dev = dev_slice(om.load_tasks("game24", "train"), cfg.dev_limit)
+    dev_keys = {puzzle_key(t) for t in dev}
+    searched = [r.task for f in ("results.jsonl", "demos.jsonl") for r in om.read_results(root / "round_1/search" / f)]
+    assert searched and not {puzzle_key(t) for t in searched} & dev_keys
+    evaluated = {json.loads(line)["task_id"] for line in (root / "round_0/dev/outcomes.jsonl").read_text().splitlines()}
+    assert evaluated == {t.task_id for t in dev}
+    assert all(t.split == "train" for t in dev)
+
+
+def test_puzzles_not_ids_decide_disjointness():
+    tasks = om.load_tasks("countdown", "train", 5)
+    renamed = [dataclasses.replace(t, task_id="other-" + t.task_id) for t in tasks[:2]]
+    assert without(tasks, renamed) == tasks[2:]
+    with pytest.raises(ValueError, match="same puzzle"):
+        check_disjoint(tasks, renamed)
+
+
+def test_decide_uses_the_paired_test():
+    best = {"react": {f"t{i}": i < 20 for i in range(40)}}
+    worse = {"react": {f"t{i}": i < 8 for i in range(40)}}  # 12 tasks lost, none gained
+    slightly = {"react": {f"t{i}": i < 18 for i in range(40)}}  # 2 lost: not significant
+    better = {"react": {f"t{i}": i < 25 for i in range(40)}}
+    d = decide(worse, best)
+    assert not d["keep"] and d["tests"]["react"]["a_only"] == 12 and d["tests"]["react"]["p_value"] < 0.001
+    d = decide(slightly, best)
+    assert d["keep"] and not d["new_best"] and d["tests"]["react"]["p_value"] == 0.5
+    d = decide(better, best)
+    assert d["keep"] and d["new_best"] and d["score"] == 0.625
+    # any significantly worse dev strategy rejects
+    two = decide({"react": better["react"], "bon": worse["react"]}, {"react": best["react"], "bon": best["react"]})
+    assert not two["keep"] and "bon" in two["reason"] and "react" not in two["reason"].split("bon")[0]

@@ -1,0 +1,70 @@
+"""The PRM's calibration in a loop round: a reliability table and its expected calibration error.
+
+A PRM guides search by its scores, so besides ranking (step AUC, which ``omrl train prm``
+reports) the loop reports whether a score of 0.7 means "about 70% of continuations from here
+succeed": the validation steps (the PRM trainer's own validation split of the label rows, each
+distinct step once) are binned by predicted score, and each bin's mean prediction is set against
+its mean Monte-Carlo value (the soft label). ECE is the step-weighted mean gap. Both are given for
+all steps and for the steps before the end (a finished row's last step shows the outcome in its
+observation, and what guides a search happens before the end).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+BINS = 10
+
+
+def reliability(preds: Sequence[float], labels: Sequence[float], bins: int = BINS) -> dict[str, Any]:
+    """``{"steps", "ece", "bins": [{"lo", "hi", "steps", "mean_pred", "mean_label"}]}`` over
+    ``bins`` equal-width bins of [0, 1] (empty bins left out; a score of 1.0 is in the last)."""
+    if len(preds) != len(labels):
+        raise ValueError(f"{len(preds)} predictions for {len(labels)} labels")
+    groups: dict[int, list[tuple[float, float]]] = {}
+    for p, y in zip(preds, labels):
+        groups.setdefault(min(int(p * bins), bins - 1), []).append((p, y))
+    n = len(preds)
+    rows, ece = [], 0.0
+    for b in sorted(groups):
+        pts = groups[b]
+        mp = sum(p for p, _ in pts) / len(pts)
+        my = sum(y for _, y in pts) / len(pts)
+        ece += len(pts) / n * abs(mp - my)
+        rows.append({"lo": round(b / bins, 3), "hi": round((b + 1) / bins, 3), "steps": len(pts),
+                     "mean_pred": round(mp, 4), "mean_label": round(my, 4)})
+    return {"steps": n, "ece": round(ece, 4) if n else None, "bins": rows}
+
+
+def step_predictions(prm: Any, rows: Sequence[dict[str, Any]]) -> tuple[list[float], list[float], list[bool]]:
+    """The PRM's score, the soft label and "is a finished row's last step" of every distinct step
+    of ``rows`` (one causal pass per row scores all of its steps)."""
+    from reward_models.inputs import episode_from_row
+
+    from .prm import unique_steps
+
+    steps = unique_steps(rows)
+    once = list({id(r): r for r, _, _ in steps}.values())
+    scores = {id(r): s for r, s in zip(once, prm.score_episodes([episode_from_row(r) for r in once]))}
+    preds = [float(scores[id(r)][n - 1]) for r, n, _ in steps]
+    gold = [float(r["soft_labels"][n - 1]) for r, n, _ in steps]
+    return preds, gold, [end for _, _, end in steps]
+
+
+def calibration(model_dir: str | Path, label_dirs: Sequence[str], val_fraction: float) -> dict[str, Any] | None:
+    """Reliability of the PRM in ``model_dir`` on the validation rows of ``label_dirs`` (split as
+    the trainer split them); None when there is no validation row."""
+    from reward_models.label_files import load_label_dir
+    from reward_models.prm import ProcessRewardModel
+
+    from .prm import split_rows
+
+    rows = [r for d in label_dirs for r in load_label_dir(d)]
+    _, val = split_rows(rows, val_fraction)
+    if not val:
+        return None
+    prm = ProcessRewardModel.from_pretrained(str(model_dir), device="cpu", dtype="float32")
+    preds, gold, ends = step_predictions(prm, val)
+    inner = [(p, y) for p, y, end in zip(preds, gold, ends) if not end]
+    return {"all": reliability(preds, gold),
+            "before_end": reliability([p for p, _ in inner], [y for _, y in inner]) if inner else None}

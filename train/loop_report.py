@@ -1,0 +1,127 @@
+"""The loop's per-round report (``round_R/report.md``, the run's ``report.md``; ``report.html`` shows
+it with the eval plots and training curves): held-out success with Wilson 95% intervals per
+strategy and budget, each round against the one before on the same test tasks (exact McNemar),
+what keep-best kept on the dev slice and why, the curriculum's choice, search and data counts, and
+the PRM's validation AUC and calibration.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omrl_search.stats import fmt_paired, fmt_rate, paired
+
+from .loop_stages import bench_outcomes
+
+
+def _na(x: Any, fmt: str = ".3f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def test_tables(cfg: Any, history: list[dict[str, Any]]) -> list[str]:
+    rounds = [h["round"] for h in history]
+    first = history[0]["eval"]["rows"]
+    tasks = next(iter(next(iter(first.values())).values()))["tasks"]
+    lines = [f"## Held-out success ({cfg.env} test split, {tasks} tasks)", "",
+             "Successes / tasks = rate [Wilson 95% interval]. Round 0: the base policy; round r: the "
+             "policy kept after round r's stages, with round r's PRM (from round 1).", "",
+             "| strategy | budget | " + " | ".join(f"round {r}" for r in rounds) + " |",
+             "|---|---|" + "---|" * len(rounds)]
+    for name, per in first.items():
+        for budget in per:
+            cells = [fmt_rate(h["eval"]["rows"][name][budget]) if budget in h["eval"]["rows"].get(name, {})
+                     else "-" for h in history]
+            lines.append(f"| {name} | {budget} | " + " | ".join(cells) + " |")
+    if len(history) > 1:
+        outs = {h["round"]: bench_outcomes(Path(cfg.out) / f"round_{h['round']}" / "eval") for h in history}
+        lines += ["", "Each round against the round before on the same test tasks (exact McNemar): the "
+                  "difference in success rate, tasks solved only now vs only before, p-value.", "",
+                  "| strategy | budget | " + " | ".join(f"round {r} vs {r - 1}" for r in rounds[1:]) + " |",
+                  "|---|---|" + "---|" * (len(rounds) - 1)]
+        for name, per in first.items():
+            for budget in per:
+                cells = []
+                for r in rounds[1:]:
+                    a = outs[r - 1].get(name, {}).get(budget)
+                    b = outs[r].get(name, {}).get(budget)
+                    cells.append(fmt_paired(paired(f"round {r - 1}", a, b)) if a and b else "-")
+                lines.append(f"| {name} | {budget} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _dev_cell(dev: dict[str, Any] | None) -> str:
+    if not dev:
+        return "-"
+    return "; ".join(f"{n} {fmt_rate(next(iter(per.values())))}" for n, per in dev["rows"].items())
+
+
+def keep_table(cfg: Any, history: list[dict[str, Any]], best: dict[str, Any]) -> list[str]:
+    lines = [f"## Keep-best on the dev slice ({cfg.dev_limit} train-split tasks, no puzzle trained on)", ""]
+    if not cfg.dev_limit:
+        return lines + ["No dev slice (`dev_limit: 0`): every stage was kept unchecked.", ""]
+    lines += [f"After each training stage: {cfg.dev_strategies} at {cfg.dev_budget} on the dev slice; "
+              f"the stage is rejected when any of them is worse than the best checkpoint with paired "
+              f"p < {cfg.keep_alpha:g} (exact McNemar), else kept (training continues from it) and it "
+              "becomes the best when its dev score (mean success) is higher.", "",
+              "| round | stage | trained | dev success | decision | why |", "|---|---|---|---|---|---|",
+              f"| 0 | base | `{cfg.policy}` | {_dev_cell(history[0].get('dev'))} | best | the starting policy |"]
+    for h in history[1:]:
+        for st in h.get("stages", []):
+            t, dev = st["train"], st.get("dev")
+            if "skipped" in t:
+                lines.append(f"| {h['round']} | {t['trainer']} | skipped: {t['skipped']} | - | - | - |")
+                continue
+            trained = f"{t.get('step', '?')} steps, loss {_na(t.get('loss'))}"
+            dec = (dev or {}).get("decision") or {"keep": True, "new_best": False, "reason": "no dev check"}
+            verdict = "**new best**" if dec.get("new_best") else "kept" if dec["keep"] else "**rejected**"
+            lines.append(f"| {h['round']} | {t['trainer']} | {trained} | {_dev_cell(dev)} | {verdict} | "
+                         f"{dec['reason']} |")
+    lines += ["", f"Best checkpoint: `{best['model']}` ({best['where']}, dev score {_na(best.get('score'))}).", ""]
+    return lines
+
+
+def round_table(history: list[dict[str, Any]]) -> list[str]:
+    lines = ["## Search, curriculum and data per round", "",
+             "| round | curriculum: search success per level → trained on | train-split search success | "
+             "demos | rows sft/rs_sft/dpo/grpo |", "|---|---|---|---|---|"]
+    for h in history[1:]:
+        cur = h.get("curriculum")
+        cur_cell = "-" if not cur else (", ".join(f"{n}: {s}/{t}" for n, (s, t) in cur["counts"].items())
+                                         + f" → {', '.join(cur['chosen'])} ({cur['reason']})")
+        s = h["search"]["search"]
+        rows = h["data"]["rows"]
+        lines.append(f"| {h['round']} | {cur_cell} | {s['successes']}/{s['tasks']} | "
+                     f"{h['search'].get('demos', {}).get('tasks', 0)} | "
+                     + "/".join(str(rows.get(k, 0)) for k in ("sft", "rs_sft", "dpo", "grpo")) + " |")
+    return lines + [""]
+
+
+def prm_table(history: list[dict[str, Any]]) -> list[str]:
+    prms = [(h["round"], h["prm"]) for h in history[1:] if (h.get("prm") or {}).get("trained")]
+    if not prms:
+        return []
+    lines = ["## PRM (validation steps of its label rows)", "",
+             "| round | steps | step AUC | AUC before the end | ECE | ECE before the end |", "|---|---|---|---|---|---|"]
+    for r, p in prms:
+        v, c = p.get("validation") or {}, p.get("calibration") or {}
+        lines.append(f"| {r} | {v.get('steps', '-')} | {_na(v.get('auc'))} | {_na(v.get('auc_before_end'))} | "
+                     f"{_na((c.get('all') or {}).get('ece'))} | {_na((c.get('before_end') or {}).get('ece'))} |")
+    r, p = prms[-1]
+    table = ((p.get("calibration") or {}).get("all") or {}).get("bins")
+    if table:
+        lines += ["", f"Reliability of round {r}'s PRM (all validation steps): mean score vs mean "
+                  "Monte-Carlo value per score bin.", "", "| score bin | steps | mean score | mean value |",
+                  "|---|---|---|---|"]
+        lines += [f"| {b['lo']:.1f}-{b['hi']:.1f} | {b['steps']} | {b['mean_pred']:.3f} | {b['mean_label']:.3f} |"
+                  for b in table]
+    return lines + [""]
+
+
+def round_report(cfg: Any, history: list[dict[str, Any]], best: dict[str, Any]) -> str:
+    """The whole report after the last round in ``history``."""
+    lines = [f"# omrl loop: {cfg.env}, base policy `{cfg.policy}`, rounds 0-{history[-1]['round']}", ""]
+    lines += test_tables(cfg, history) + [""]
+    lines += keep_table(cfg, history, best)
+    if len(history) > 1:
+        lines += round_table(history) + prm_table(history)
+    return "\n".join(lines).rstrip() + "\n"

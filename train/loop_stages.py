@@ -1,0 +1,311 @@
+"""The stages of ``omrl loop`` (:mod:`train.loop`): each a function of the stage's working folder
+returning what its ``stage.json`` records. They call Python functions (``search_many``,
+``label_results``, ``export``, the trainers, ``bench``), never the command line.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import omrl_search as om
+from omrl_search.bench import bench
+from omrl_search.exports import KINDS as EXPORT_KINDS
+from omrl_search.exports import ExportError, export
+from omrl_search.policy import make_policy
+from omrl_search.result import read_results
+from omrl_search.types import SamplingParams, Task
+
+from . import loop_curriculum as curriculum
+from .loop_select import check_disjoint, decide, dev_score, dev_slice, without
+
+if TYPE_CHECKING:
+    from .loop import LoopConfig
+
+#: the trainers a round can run; ``rs_sft`` is SFT on the round's own search successes
+TRAINERS = ("sft", "rs_sft", "dpo", "grpo")
+#: which trainer of :data:`train.trainers.TRAINERS` runs a loop trainer
+TRAINER_OF = {"sft": "sft", "rs_sft": "sft", "dpo": "dpo", "grpo": "grpo"}
+
+
+def policy_spec(model: str) -> str:
+    """The search-side spec of a training-side model: ``smollm2``, a policy spec
+    (``scripted:oracle``, ``hf:DIR``) as is, an HF folder as ``hf:DIR``."""
+    if model == "smollm2" or (":" in model and not Path(model).exists()):
+        return model
+    return f"hf:{model}"
+
+
+def tokenizer_of(model: str) -> str | None:
+    """The tokenizer exports re-encode with: the model's own (none for a non-HF policy spec)."""
+    return model if model == "smollm2" or Path(model).exists() else None
+
+
+def cfg_path(cfg: "LoopConfig", r: int, stage: str) -> Path:
+    return Path(cfg.out) / f"round_{r}" / stage
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    from omrl_search.result import write_text_atomic
+
+    write_text_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
+
+
+# --- task sets -------------------------------------------------------------------------------------
+class TaskSets:
+    """The run's dev slice (the end of the train split), the train pool (the rest of the train
+    split, without the dev puzzles) and the test tasks."""
+
+    def __init__(self, cfg: "LoopConfig"):
+        train = om.load_tasks(cfg.env, "train")
+        if cfg.dev_limit >= len(train):
+            raise ValueError(f"dev_limit {cfg.dev_limit} leaves no train task ({cfg.env} has {len(train)})")
+        self.cfg = cfg
+        self.dev = dev_slice(train, cfg.dev_limit)
+        self.pool = without(train[:len(train) - cfg.dev_limit], self.dev)
+
+    def test(self) -> list[Task]:
+        return om.load_tasks(self.cfg.env, "test", self.cfg.test_limit)
+
+
+def _searcher(cfg: "LoopConfig", r: int, model: str, prm: str | None) -> Callable[[list[Task]], list]:
+    """Search tasks with the round's policy and PRM (each built once, on first use)."""
+    built: dict[str, Any] = {}
+
+    def search(tasks: list[Task]) -> list:
+        if "policy" not in built:
+            from omrl_search.reward import make_reward_model
+
+            built["policy"] = make_policy(policy_spec(model))
+            built["rm"] = make_reward_model(f"prm:{prm}") if prm else None
+        return om.search_many(tasks, strategy=cfg.search_strategy, policy=built["policy"],
+                              reward_model=built["rm"], budget=cfg.search_budget, seed=cfg.seed + r,
+                              sampling=SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens),
+                              progress=cfg.progress)
+    return search
+
+
+# --- search --------------------------------------------------------------------------------------
+def curriculum_stage(cfg: "LoopConfig", sets: TaskSets, r: int, model: str, prm: str | None):
+    def run(d: Path) -> dict[str, Any]:
+        info, results = curriculum.probe(cfg.env, cfg.curriculum, sets.dev, _searcher(cfg, r, model, prm))
+        for i, name in enumerate(cfg.curriculum.names()):
+            if results[name]:
+                check_disjoint([x.task for x in results[name]], sets.dev)
+                om.write_results(d / f"probe_{i}.jsonl", results[name])
+        return info
+    return run
+
+
+def search_stage(cfg: "LoopConfig", sets: TaskSets, r: int, model: str, prm: str | None,
+                 plan: dict[str, Any] | None = None):
+    """The round's train-split search: ``train_limit`` tasks of the pool, or with a curriculum
+    (``plan``: the curriculum stage's record) tasks of the chosen levels, the probed ones' results
+    reused; in round 1 also ``expert_demos`` solver demonstrations."""
+    def run(d: Path) -> dict[str, Any]:
+        search = _searcher(cfg, r, model, prm)
+        info: dict[str, Any] = {"policy": policy_spec(model)}
+        if plan is None:
+            results = search(sets.pool[:cfg.train_limit])
+        else:
+            results = []
+            names = cfg.curriculum.names()
+            for name, want in curriculum.quotas(cfg.train_limit, plan["chosen"]).items():
+                i = names.index(name)
+                probe = cfg_path(cfg, r, "curriculum") / f"probe_{i}.jsonl"
+                reused = list(read_results(probe))[:want] if probe.exists() else []
+                more = curriculum.level_tasks(cfg.env, cfg.curriculum, cfg.curriculum.levels[i], sets.dev,
+                                              cfg.curriculum.probe_limit, max(0, want - len(reused)))
+                results += reused + (search(more) if more else [])
+            info["levels"] = plan["chosen"]
+        check_disjoint([x.task for x in results], sets.dev)
+        om.write_results(d / "results.jsonl", results)
+        info["search"] = om.summarize(results)
+        if r == 1 and cfg.expert_demos:
+            demos = om.search_many(sets.pool[:cfg.expert_demos], strategy="react",
+                                   policy="scripted:oracle:p=0", seed=cfg.seed)
+            om.write_results(d / "demos.jsonl", demos)
+            info["demos"] = om.summarize(demos)
+        return info
+    return run
+
+
+def search_files(cfg: "LoopConfig", r: int) -> list[Path]:
+    """The round's search results, then its solver demonstrations (if any)."""
+    d = cfg_path(cfg, r, "search")
+    return [d / "results.jsonl"] + ([d / "demos.jsonl"] if (d / "demos.jsonl").exists() else [])
+
+
+# --- labels and the PRM --------------------------------------------------------------------------
+def labels_stage(cfg: "LoopConfig", r: int, model: str):
+    def run(d: Path) -> dict[str, Any]:
+        from reward_models.label_files import write_labels
+        from reward_models.labels import label_results, summarize_rows
+
+        results = [res for f in search_files(cfg, r) for res in read_results(f)]
+        policy = make_policy(policy_spec(model)) if cfg.label_rollouts else None
+        rows = label_results(results, policy=policy, rollouts=cfg.label_rollouts, seed=cfg.seed + r,
+                             sampling=SamplingParams(cfg.temperature, max_tokens=cfg.max_tokens))
+        if not rows:
+            return {"rows": 0, "note": "no finished rollouts to label"}
+        write_labels(rows, d)
+        return summarize_rows(rows)
+    return run
+
+
+def prm_stage(cfg: "LoopConfig", r: int):
+    def run(d: Path) -> dict[str, Any]:
+        from . import prm as prm_trainer
+        from .loop_prm import calibration
+
+        folders = [str(cfg_path(cfg, k, "labels")) for k in range(1, r + 1)
+                   if any(cfg_path(cfg, k, "labels").glob("*.parquet"))]
+        if not folders:
+            return {"trained": False, "note": "no label rows yet"}
+        settings = {**cfg.prm_settings, "model": cfg.prm_base, "data": folders, "out": str(d / "model"),
+                    "seed": cfg.seed, "save_every": cfg.save_every, "resume": True,
+                    "progress": cfg.progress}
+        conf = prm_trainer.PRMConfig.from_sources(None, settings)
+        result = prm_trainer.train(conf)
+        return {"trained": True, "model": str(cfg_path(cfg, r, "prm") / "model"),
+                "validation": result.get("validation"),
+                "calibration": calibration(d / "model", folders, conf.val_fraction)
+                if conf.objective == "process" else None}
+    return run
+
+
+# --- training data and policy training -------------------------------------------------------------
+def data_stage(cfg: "LoopConfig", r: int):
+    def run(d: Path) -> dict[str, Any]:
+        sources = search_files(cfg, r)
+        tok = tokenizer_of(cfg.policy)
+        rows: dict[str, Any] = {}
+        for kind in TRAINERS:
+            # sft: search successes and solver demos; rs_sft: the search's own successes only,
+            # deduplicated, at most rs_top_k per task; dpo/grpo: the search's trees
+            files = sources if kind == "sft" else sources[:1]
+            what, opts = rs_sft_export(cfg.rs_cap) if kind == "rs_sft" else (kind, {})
+            try:
+                _, rows[kind] = export(what, files, d / f"{kind}.parquet", tokenizer=tok, **opts)
+            except ExportError as exc:
+                rows[kind] = 0
+                rows[f"{kind}_note"] = str(exc)
+        return {"rows": rows}
+    return run
+
+
+def rs_sft_export(cap: int) -> tuple[str, dict[str, Any]]:
+    """The export kind and options of rejection-sampling SFT rows: successful trajectories only,
+    deduplicated, at most ``cap`` per task (``omrl export rs-sft``; where the exports predate it,
+    ``sft`` with ``top_k``, which keeps only successes too)."""
+    if "rs-sft" in EXPORT_KINDS:
+        return "rs-sft", {"cap": cap}
+    return "sft", {"top_k": cap, "include_failures": False}
+
+
+def run_trainer(kind: str, settings: dict[str, Any]) -> str:
+    """Train ``kind`` (a loop trainer) with ``settings`` unless its output is already finished;
+    returns the trained model (the output folder). Tests replace this with scripted stages."""
+    from .trainers import TRAINERS as trainers  # torch: imported when a trainer runs
+
+    trainer = trainers[TRAINER_OF[kind]]
+    conf = trainer.config.from_sources(None, settings)
+    out = Path(settings["out"])
+    if not (out / "omrl-train.json").exists():  # not finished before a restart
+        trainer.train(conf)
+    return str(out)
+
+
+def train_stage(cfg: "LoopConfig", r: int, kind: str, model: str):
+    """One trainer from the current policy; the model path is where the stage ends up."""
+    def run(d: Path) -> dict[str, Any]:
+        path = cfg_path(cfg, r, "data") / f"{kind}.parquet"
+        if not path.exists():
+            return {"trainer": kind, "from": model, "skipped": "no rows exported"}
+        if kind == "grpo" and all_groups_flat(path):
+            return {"trainer": kind, "from": model, "skipped": "every group's rewards are equal (no signal)"}
+        settings = {**cfg.trainer_settings.get(kind, {}), "model": model, "data": [str(path)],
+                    "out": str(d / "model"), "seed": cfg.seed + r, "save_every": cfg.save_every,
+                    "resume": True, "progress": cfg.progress}
+        trained = run_trainer(kind, settings)
+        final = cfg_path(cfg, r, f"train_{kind}") / "model"
+        model_out = str(final) if Path(trained) == d / "model" else trained
+        last = last_metrics(d / "model")
+        return {"trainer": kind, "from": model, "model": model_out,
+                **{k: last.get(k) for k in ("step", "loss") if k in last}}
+    return run
+
+
+def all_groups_flat(path: Path) -> bool:
+    """Whether no GRPO group has two different rewards: group-relative advantages are then all
+    zero and a GRPO stage would only spend time."""
+    import pyarrow.parquet as pq  # 0.4 s that `omrl --help` (it imports this module) need not pay
+
+    spread: dict[Any, set[float]] = {}
+    table = pq.read_table(path)
+    target = "value" if "value" in table.column_names else "reward"  # older exports: reward
+    for row in table.select(["group_id", target]).to_pylist():
+        spread.setdefault(row["group_id"], set()).add(row[target])
+    return all(len(rewards) <= 1 for rewards in spread.values())
+
+
+def last_metrics(out: Path) -> dict[str, Any]:
+    lines = (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []
+    for line in reversed(lines):  # the last complete line (a kill can tear the last one)
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            continue
+    return {}
+
+
+# --- evaluations -----------------------------------------------------------------------------------
+def _bench(cfg: "LoopConfig", tasks: list[Task], strategies: str, budgets: str, model: str,
+           prm: str | None, d: Path) -> dict[str, Any]:
+    summary = bench(tasks, strategies, budgets, policy=policy_spec(model),
+                    reward_model=f"prm:{prm}" if prm else None, seed=cfg.seed,
+                    max_tokens=cfg.max_tokens, temperature=cfg.temperature, out=d,
+                    save_trees=True, progress=cfg.progress)
+    return {name: {b: {k: s[k] for k in ("tasks", "successes", "success_rate", "ci_low", "ci_high")}
+                   for b, s in per.items()} for name, per in summary["strategies"].items()}
+
+
+def bench_outcomes(folder: Path) -> dict[str, dict[str, dict[str, bool]]]:
+    """``strategy -> budget -> task_id -> success`` from a bench folder's outcomes.jsonl."""
+    out: dict[str, dict[str, dict[str, bool]]] = {}
+    for line in (folder / "outcomes.jsonl").read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            out.setdefault(row["strategy"], {}).setdefault(row["budget"], {})[row["task_id"]] = bool(row["success"])
+    return out
+
+
+def eval_stage(cfg: "LoopConfig", sets: TaskSets, model: str, prm: str | None):
+    """The test split (reported, never decided on): every eval strategy at every eval budget."""
+    def run(d: Path) -> dict[str, Any]:
+        rows = _bench(cfg, sets.test(), cfg.eval_strategies, cfg.eval_budgets, model, prm, d)
+        return {"policy": policy_spec(model), "prm": prm, "rows": rows,
+                "success": {n: {b: s["success_rate"] for b, s in per.items()} for n, per in rows.items()}}
+    return run
+
+
+def dev_outcomes(folder: Path) -> dict[str, dict[str, bool]]:
+    """A dev evaluation's outcomes per strategy (its one budget)."""
+    return {name: next(iter(per.values())) for name, per in bench_outcomes(folder).items()}
+
+
+def dev_stage(cfg: "LoopConfig", sets: TaskSets, model: str, best: dict[str, Any] | None):
+    """The dev slice with the dev strategies (no reward model: checkpoints from different rounds
+    are compared under one rule), then the keep-best decision against ``best`` (the best
+    checkpoint's dev record; None for the base policy, which is kept as the first best)."""
+    def run(d: Path) -> dict[str, Any]:
+        rows = _bench(cfg, sets.dev, cfg.dev_strategies, cfg.dev_budget, model, None, d)
+        mine = dev_outcomes(d)
+        if best is None:
+            decision = {"keep": True, "new_best": True, "reason": "the starting policy: the first best",
+                        "score": None, "best_score": None, "tests": {}}
+        else:
+            decision = decide(mine, best["outcomes"], cfg.keep_alpha)
+        decision["score"] = round(dev_score(mine), 4)
+        return {"model": model, "rows": rows, "outcomes": mine, "decision": decision}
+    return run
