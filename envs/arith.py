@@ -2,11 +2,18 @@
 
 The player repeatedly replaces two of the remaining numbers by their sum, difference, product or
 quotient until one number is left, or submits a whole expression with ``answer``. Arithmetic is
-exact (:class:`fractions.Fraction`, never floats) so ``8 / (3 - 8/3) = 24`` is recognised. Every
-number must be used exactly once. Subclasses only differ in how tasks are generated and worded.
+exact (:class:`fractions.Fraction`, never floats): ``8 / 3`` leaves ``8/3``, and actions write
+fractions the same way (``3 - 8/3``), so ``8 / (3 - 8/3) = 24`` is reached. Every number must be
+used exactly once. Subclasses only differ in how tasks are generated and worded.
 
-The state is an immutable :class:`ArithState` (value snapshots); it includes the step count, the
-done flag and the last message, so ``state_key()`` identifies exactly what ``observe()`` shows.
+With the task knob ``answer=on`` (task data ``answer_step``) reaching the target is not the end:
+with only the target left, the episode waits for ``answer EXPR``, the whole expression over the
+task's numbers, checked exactly (Tree-of-Thoughts' Game24 protocol: three combines, then the
+expression). ``answer EXPR`` is accepted from any state in both modes.
+
+The state is an immutable :class:`ArithState` (value snapshots) holding the path of combines that
+led to it, so ``state_key()`` keeps states reached by different histories apart (a search that
+wants them merged asks for dedup: :meth:`ArithmeticEnv.dedup_key` is the key of the numbers left).
 """
 from __future__ import annotations
 
@@ -14,12 +21,12 @@ import ast
 import re
 from fractions import Fraction
 from functools import lru_cache
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
-from omrl_search.env import ValueSnapshots
+from omrl_search.env import ValueSnapshots, stable_hash
 from omrl_search.types import StepResult, Task
 
-from ._text_env import TextEnv, episode_over, step_result
+from ._text_env import Range, TextEnv, episode_over, step_result, task_knobs
 
 Number = int | Fraction
 
@@ -40,6 +47,8 @@ class ArithState(NamedTuple):
     success: bool = False
     answer: str = ""
     note: str = ""  # the message of the last step, shown above the numbers
+    path: tuple[str, ...] = ()  # the combines so far, as actions write them ("8 / 3")
+    answer_step: bool = False  # with only the target left, wait for ``answer EXPR``
 
 
 def fmt(x: Number) -> str:
@@ -180,6 +189,21 @@ def first_move(tree) -> tuple[Number, str, Number] | None:
     return first_move(left) or first_move(right)
 
 
+def replay(original, path) -> list[tuple[Number, Any]]:
+    """``(value, tree)`` of each number left after the combines ``path`` (``"8 / 3"``) from the
+    ``original`` numbers: the trees are what the numbers are made of."""
+    left: list[tuple[Number, Any]] = [(x, x) for x in original]
+    for move in path:
+        a, op, b = move.split(" ")
+        a, b = _norm(_number(a)), _norm(_number(b))
+        ia = next(i for i, (v, _) in enumerate(left) if v == a)
+        ta = left.pop(ia)[1]
+        ib = next(i for i, (v, _) in enumerate(left) if v == b)
+        tb = left.pop(ib)[1]
+        left.append((_norm(apply_op(a, op, b)), (ta, op, tb)))
+    return left
+
+
 def to_text(tree) -> str:
     """The tree as a fully parenthesised expression, e.g. ``8 / (3 - 8 / 3)``."""
     if not isinstance(tree, tuple):
@@ -263,15 +287,11 @@ class ArithmeticEnv(ValueSnapshots, TextEnv):
     """
 
     description = "Combine numbers with + - * / to reach a target; every number used exactly once."
-    action_help = (
-        "Actions: `a op b` combines two of the numbers left (op is + - * /, spaces around op; "
-        "fractions written like 8/3), e.g. `4 * 6` or `8/3 * 9`; or `answer EXPR` with a full "
-        "expression over the original numbers, e.g. `answer (1 + 2 + 3) * 4`."
-    )
-    examples = (
-        "Think: (1 + 2 + 3) * 4 = 24, so I start by adding 1 and 2 to get 3.\n"
-        "Act: 1 + 2"
-    )
+    # The first-turn prompt is the task's instruction, this help and the observation (no example
+    # turn: the format's system text says Think/Act and constrained decoding enforces it); every
+    # token here is prefilled at every node of a search, so the wording is kept short.
+    action_help = "Actions: `a op b` on two numbers left (e.g. `8/3 * 9`) or `answer EXPR`, the whole expression."
+    examples = ""
     max_steps = 6
 
     _shown: tuple[ArithState | None, str] = (None, "")  # observe()'s last state and its text
@@ -286,17 +306,25 @@ class ArithmeticEnv(ValueSnapshots, TextEnv):
     # --- episode ---------------------------------------------------------------------------
     def reset(self, task: Task) -> str:
         numbers = [int(x) for x in task.data["numbers"]]
+        answer_step = bool(task.data.get("answer_step", False))
         self.state = ArithState(
             numbers=tuple(sorted(Fraction(x) for x in numbers)),
             original=tuple(sorted(numbers)),
             target=Fraction(task.data["target"]),
-            limit=self.limit_for(numbers),
+            limit=self.limit_for(numbers) + answer_step,  # one more step: the answer
+            answer_step=answer_step,
         )
         return self.observe()
 
     def position(self):
-        """The state without the last message, so equal positions share a state key."""
+        """The state without the last message: its key keeps the path of combines, so states
+        reached by different histories stay apart (ToT's states are their histories)."""
         return self.state._replace(note="")
+
+    def dedup_key(self) -> str:
+        """The key of the numbers left (and the step count), without the path: two routes to
+        the same numbers share it. For searches that merge transpositions on purpose."""
+        return stable_hash(self._require()._replace(note="", path=()))
 
     def observe(self) -> str:
         s = self._require()
@@ -315,12 +343,24 @@ class ArithmeticEnv(ValueSnapshots, TextEnv):
         if move[0] == "invalid":
             return self._invalid(move[1])
         _, a, op, b, value, rest = move
-        return self._advance(numbers=rest, note=f"{fmt(a)} {op} {fmt(b)} = {fmt(value)}")
+        text = f"{fmt(a)} {op} {fmt(b)}"
+        return self._advance(numbers=rest, note=f"{text} = {fmt(value)}", path=s.path + (text,))
+
+    def final_answer(self) -> str | None:
+        """``answer EXPR`` spelling the combines so far as one expression, when they reached
+        the target (None otherwise)."""
+        s = self._require()
+        if len(s.numbers) != 1 or s.numbers[0] != s.target:
+            return None
+        ((_, tree),) = replay(s.original, s.path)
+        return f"answer {to_text(tree)}"
 
     def valid_actions(self) -> list[str]:
         s = self._require()
         if s.done:
             return []
+        if len(s.numbers) == 1:  # only the target left (answer step): write the expression
+            return [self.final_answer()]
         nums, seen = s.numbers, set()
         for i in range(len(nums)):
             for j in range(i + 1, len(nums)):
@@ -332,6 +372,8 @@ class ArithmeticEnv(ValueSnapshots, TextEnv):
         s = self._require()
         if s.done:
             return None
+        if len(s.numbers) == 1:
+            return self.final_answer()
         move = first_move(solve(s.numbers, s.target))
         return None if move is None else f"{fmt(move[0])} {move[1]} {fmt(move[2])}"
 
@@ -355,23 +397,29 @@ class ArithmeticEnv(ValueSnapshots, TextEnv):
 
     # --- helpers ---------------------------------------------------------------------------
     def _advance(self, *, numbers=None, note: str, valid: bool = True, answer: str | None = None,
-                 success: bool = False) -> StepResult:
+                 success: bool = False, path: tuple[str, ...] | None = None) -> StepResult:
         """Count a step, apply the changes and end the episode when it is over."""
         s = self.state
         numbers = s.numbers if numbers is None else numbers
         steps = s.steps + 1
         done, truncated = answer is not None or len(numbers) == 1, False
         if answer is None and len(numbers) == 1:
-            answer, success = fmt(numbers[0]), numbers[0] == s.target
-            if not success:
-                note += f"\nFailed: {answer} is not {fmt(s.target)}."
+            if s.answer_step and numbers[0] == s.target:
+                done = False
+                note += (f"\nOnly {fmt(s.target)} is left: now write the whole expression, "
+                         "`answer EXPR`.")
+            else:
+                answer, success = fmt(numbers[0]), numbers[0] == s.target
+                if not success:
+                    note += f"\nFailed: {answer} is not {fmt(s.target)}."
         if success:
             note += f"\nSolved: reached {fmt(s.target)}."
         elif not done and steps >= s.limit:
             done, truncated, answer = True, True, ""
             note += f"\nOut of steps ({s.limit}); the puzzle is not solved."
         self.state = s._replace(numbers=numbers, steps=steps, done=done, truncated=truncated,
-                                success=success, answer=answer or "", note=note)
+                                success=success, answer=answer or "", note=note,
+                                path=s.path if path is None else path)
         return step_result(self.state, self.observe(), 1.0 if success else 0.0, valid=valid)
 
     def _invalid(self, why: str) -> StepResult:
@@ -391,6 +439,47 @@ class ArithmeticEnv(ValueSnapshots, TextEnv):
         if value != s.target:
             note += f"\nFailed: {fmt(value)} is not {fmt(s.target)}."
         return self._advance(note=note, answer=fmt(value), success=value == s.target)
+
+
+def instruction(numbers: list[int], target: int, answer_step: bool = False) -> str:
+    """The task's instruction (short: it is in every prompt of a search)."""
+    text = f"Use the numbers {' '.join(map(str, numbers))} and + - * / to make {target}, each number once."
+    return text + f" Once only {target} is left, write `answer EXPR`." if answer_step else text
+
+
+def arith_knobs(env: str, split: str, given: dict[str, Any], known: dict[str, Range],
+                answer: Any = None, splits: Sequence[str] = ("train", "test")
+                ) -> tuple[str, dict[str, Range], bool]:
+    """:func:`~envs._text_env.task_knobs` plus the knob ``answer=on|off`` (in the split,
+    ``"test:level=2,answer=on"``, or the keyword ``answer``: on, off or a bool, which wins):
+    returns ``(split, knobs, answer step on)``; a bad value is one ValueError line."""
+    base, _, spec = split.partition(":")
+    parts = []
+    for part in spec.split(","):
+        key, eq, value = part.partition("=")
+        if eq and key.strip() == "answer":
+            answer = value.strip() if answer is None else answer
+        elif part.strip():
+            parts.append(part.strip())
+    if isinstance(answer, str) and answer.lower() in ("on", "off"):
+        answer = answer.lower() == "on"
+    if answer is not None and not isinstance(answer, bool):
+        raise ValueError(f"{env}: task knob answer must be on or off, got {answer!r}")
+    try:
+        base, knobs = task_knobs(env, ":".join([base, ",".join(parts)]) if parts else base,
+                                 given, known, splits)
+    except ValueError as exc:
+        msg = str(exc)
+        raise ValueError(msg[:-1] + ", answer (on|off))" if "unknown task knob" in msg else msg) from None
+    return base, knobs, bool(answer)
+
+
+def answer_step_of(row: dict[str, Any]) -> bool:
+    """A task row's ``answer_step`` (default false); one ValueError line unless a bool."""
+    value = row.get("answer_step", False)
+    if not isinstance(value, bool):
+        raise ValueError(f"answer_step must be true or false, got {value!r}")
+    return value
 
 
 def check_numbers(row: dict[str, Any], count: range, low: int, high: int) -> list[int]:

@@ -10,7 +10,8 @@ Difficulty knobs (``tasks(split, limit, numbers=4, target=(10, 99))``, or in the
 ``--split test:numbers=4,target=10-99``): ``numbers``, how many numbers (3 to 6; default a mix),
 ``target``, its range (default 10-999), and ``level``, 1 (3 numbers), 2 (4) or 3 (5-6), which
 the task data also records. Tasks with knobs come from their own seeded stream (a split of up to
-the default size each), still split by the puzzle's hash.
+the default size each), still split by the puzzle's hash. ``answer=on`` (default off) ends an
+episode only with ``answer EXPR`` once the target is reached, as Game24's knob does.
 """
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ from typing import Any, NamedTuple
 from omrl_search.env import register_env, stable_hash
 from omrl_search.types import Task
 
-from ._text_env import Range, knob_label, task_knobs
-from .arith import ArithmeticEnv, check_numbers
+from ._text_env import Range, knob_label
+from .arith import ArithmeticEnv, answer_step_of, arith_knobs, check_numbers, instruction
 
 SPLIT_SIZES = {"train": 1000, "test": 200}
 TEST_PERCENT = 20
@@ -128,40 +129,36 @@ class CountdownEnv(ArithmeticEnv):
     description = (
         "Countdown: combine 3-6 numbers with + - * / to reach the target, each number used exactly once."
     )
-    examples = (
-        "Think: 25 * 4 = 100 and 100 + 3 = 103 is the target, so first multiply 25 by 4.\n"
-        "Act: 25 * 4"
-    )
     max_steps = 12
 
     def limit_for(self, numbers: list[int]) -> int:
         return 2 * len(numbers)
 
     @staticmethod
-    def make_task(numbers, target: int, split: str, task_id: str | None = None, seed: int = 0) -> Task:
+    def make_task(numbers, target: int, split: str, task_id: str | None = None, seed: int = 0,
+                  answer_step: bool = False) -> Task:
         nums = sorted(numbers)
-        shown = " ".join(map(str, nums))
+        data = {"numbers": nums, "target": target, "level": level_of(len(nums))}
+        if answer_step:
+            data["answer_step"] = True
         return Task(
             env="countdown",
             task_id=task_id or f"countdown-{'-'.join(map(str, nums))}-to-{target}",
             split=split,
             seed=seed,
-            instruction=(
-                f"Use the numbers {shown} and + - * / to make {target}. Every number must be used "
-                "exactly once. Combine two numbers per step (e.g. `25 * 4`), or give the whole "
-                "expression with `answer EXPR` (e.g. `answer 25 * 4 + 3`)."
-            ),
-            data={"numbers": nums, "target": target, "level": level_of(len(nums))},
+            instruction=instruction(nums, target, answer_step),
+            data=data,
         )
 
     @classmethod
     def tasks(cls, split: str, limit: int | None = None, *, level: Any = None, numbers: Any = None,
-              target: Any = None) -> list[Task]:
+              target: Any = None, answer: Any = None) -> list[Task]:
         """The split's puzzles; the knobs (also in ``split``) are in the module docstring."""
         given = {"level": level, "numbers": numbers, "target": target}
-        split, knobs = task_knobs("countdown", split, given, KNOBS, tuple(SPLIT_SIZES))
+        split, knobs, answer_step = arith_knobs("countdown", split, given, KNOBS, answer, tuple(SPLIT_SIZES))
         chosen = puzzles(split, spec_of(knobs))[:limit]
-        return [cls.make_task(nums, goal, split, seed=i) for i, (nums, goal) in enumerate(chosen)]
+        return [cls.make_task(nums, goal, split, seed=i, answer_step=answer_step)
+                for i, (nums, goal) in enumerate(chosen)]
 
     @classmethod
     def task_from_dict(cls, row: dict[str, Any]) -> Task:
@@ -172,4 +169,5 @@ class CountdownEnv(ArithmeticEnv):
         task_id = row.get("task_id")
         if task_id is not None and not isinstance(task_id, str):
             raise ValueError(f"task_id must be a string, got {task_id!r}")
-        return cls.make_task(nums, target, split=row.get("split", "test"), task_id=task_id)
+        return cls.make_task(nums, target, split=row.get("split", "test"), task_id=task_id,
+                             answer_step=answer_step_of(row))

@@ -9,6 +9,10 @@ reachable (1 to 21 of 10 to 36), in the task data with ``level`` (3: at most 3 g
 moves, 2: 4 to 7, 1: 8 or more; about a third of the puzzles each). ``tasks(split, limit,
 level=2)`` or the split ``"test:level=2"`` (``--split test:level=2``) keeps one level, or a
 range (``level=2-3``).
+
+``answer=on`` (``--split test:answer=on``; default off) adds the answer step of Tree-of-Thoughts'
+Game24 protocol: with 24 left the episode ends only with ``answer EXPR``, the whole expression
+(see :mod:`envs.arith`); the task data then says ``"answer_step": true``.
 """
 from __future__ import annotations
 
@@ -19,8 +23,7 @@ from typing import Any
 from omrl_search.env import register_env, stable_hash
 from omrl_search.types import Task
 
-from ._text_env import task_knobs
-from .arith import ArithmeticEnv, check_numbers, solvable
+from .arith import ArithmeticEnv, answer_step_of, arith_knobs, check_numbers, instruction, solvable
 
 TARGET = 24
 TEST_PERCENT = 20
@@ -93,32 +96,33 @@ class Game24Env(ArithmeticEnv):
     max_steps = 6
 
     @staticmethod
-    def make_task(numbers, split: str | None = None, task_id: str | None = None) -> Task:
+    def make_task(numbers, split: str | None = None, task_id: str | None = None,
+                  answer_step: bool = False) -> Task:
         nums = sorted(numbers)
-        shown = " ".join(map(str, nums))
+        good = good_moves(tuple(nums))
+        data = {"numbers": nums, "target": TARGET, "good_moves": good, "level": level_of(good)}
+        if answer_step:
+            data["answer_step"] = True
         return Task(
             env="game24",
             task_id=task_id or "game24-" + "-".join(map(str, nums)),
             split=split or split_of(tuple(nums)),
             seed=0,
-            instruction=(
-                f"Use the numbers {shown} and + - * / to make 24. Each number must be used exactly "
-                "once. Combine two numbers per step (e.g. `4 * 6`), or give the whole expression "
-                "with `answer EXPR` (e.g. `answer (1 + 2 + 3) * 4`)."
-            ),
-            data={"numbers": nums, "target": TARGET, "good_moves": good_moves(tuple(nums)),
-                  "level": level_of(good_moves(tuple(nums)))},
+            instruction=instruction(nums, TARGET, answer_step),
+            data=data,
         )
 
     @classmethod
-    def tasks(cls, split: str, limit: int | None = None, *, level: int | str | None = None) -> list[Task]:
-        """The split's puzzles (see the module docstring for ``level``, also in ``split``)."""
-        split, knobs = task_knobs("game24", split, {"level": level}, {"level": (1, 3)})
+    def tasks(cls, split: str, limit: int | None = None, *, level: int | str | None = None,
+              answer: bool | str | None = None) -> list[Task]:
+        """The split's puzzles (see the module docstring for ``level`` and ``answer``, also in
+        ``split``)."""
+        split, knobs, answer_step = arith_knobs("game24", split, {"level": level}, {"level": (1, 3)}, answer)
         puzzles = split_puzzles(split)
         if "level" in knobs:
             lo, hi = knobs["level"]
             puzzles = tuple(p for p in puzzles if lo <= level_of(good_moves(p)) <= hi)
-        return [cls.make_task(p, split) for p in puzzles[:limit]]
+        return [cls.make_task(p, split, answer_step=answer_step) for p in puzzles[:limit]]
 
     @classmethod
     def task_from_dict(cls, row: dict[str, Any]) -> Task:
@@ -128,4 +132,5 @@ class Game24Env(ArithmeticEnv):
         task_id = row.get("task_id")
         if task_id is not None and not isinstance(task_id, str):
             raise ValueError(f"task_id must be a string, got {task_id!r}")
-        return cls.make_task(nums, split=row.get("split", "test"), task_id=task_id)
+        return cls.make_task(nums, split=row.get("split", "test"), task_id=task_id,
+                             answer_step=answer_step_of(row))

@@ -97,11 +97,14 @@ def _combines(numbers) -> list[str]:
 
 @pytest.mark.parametrize("name,numbers,target", [
     ("game24", [3, 3, 8, 8], 24), ("game24", [1, 4, 6, 12], 24), ("game24", [4, 6, 6, 12], 24),
-    ("countdown", [2, 3, 5, 7, 25, 100], 853), ("countdown", [5, 5, 5], 30),
+    ("game24", [1, 5, 5, 5], 24), ("countdown", [2, 3, 5, 7, 25, 100], 853),
+    ("countdown", [5, 5, 5], 30),
 ])
-def test_arith_grammar_is_exactly_the_valid_combines(name, numbers, target):
+@pytest.mark.parametrize("answer_step", [False, True])
+def test_arith_grammar_is_exactly_the_valid_combines(name, numbers, target, answer_step):
     env = make_env(name)
     row = {"numbers": numbers} if name == "game24" else {"numbers": numbers, "target": target}
+    row["answer_step"] = answer_step
     rng = random.Random(0)
     for expert in (True, False):
         env.reset(env.task_from_dict(row))
@@ -135,6 +138,35 @@ def test_arith_grammar_answers_and_refusals():
     rules = env.action_grammar()
     assert _accepts(rules, "0 / 4") and _accepts(rules, "4 * 0")
     assert not _accepts(rules, "4 / 0") and not env.step("4 / 0").valid
+
+
+def test_arith_grammar_spells_fractions_and_the_answer_step():
+    env = make_env("game24")
+    env.reset(env.task_from_dict({"numbers": [1, 5, 5, 5], "answer_step": True}))
+    env.step("1 / 5")
+    rules = env.action_grammar()
+    for good in ["5 - 1/5", "1/5 * 5", "5 / 1/5", "answer (5 - 1 / 5) * 5"]:
+        assert _accepts(rules, good), good
+    for bad in ["5 - 1 / 5", "5 - 0.2", "5 - 1/4", "1/5 - 1/5"]:
+        assert not _accepts(rules, bad), bad
+    env.step("5 - 1/5")
+    env.step("24/5 * 5")  # only 24 left: the answer is the only action
+    rules = env.action_grammar()
+    assert not env.state.done and env.valid_actions() == ["answer (5 - (1 / 5)) * 5"]
+    for good in ["answer (5 - (1 / 5)) * 5", "answer (5 - 1 / 5) * 5", "answer 5 * 5 - 1"]:
+        assert _accepts(rules, good), good
+    for bad in ["24 * 1", "24 + 0", "answer 24", "answer (5 - 1/5) * 5"]:
+        assert not _accepts(rules, bad), bad
+    assert env.step(env.valid_actions()[0]).success
+
+
+@pytest.mark.parametrize("name", ["game24", "countdown"])
+def test_constrained_language_fits_the_answer_step(name):
+    env = make_env(name)
+    rng = random.Random(f"grammar-answer:{name}")
+    for task in env_class(name).tasks("test:answer=on", limit=3):
+        _play(env, name, task, rng, expert=True)
+        _play(env, name, task, rng, expert=False)
 
 
 def test_frame_without_action_grammar_for_listed_envs():

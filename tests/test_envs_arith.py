@@ -159,3 +159,149 @@ def test_jsonl_loading(tmp_path):
     cd.write_text(rows[0] + "\n" + json.dumps({"numbers": [1, 2]}))
     with pytest.raises(TaskFileError, match=r"cd\.jsonl:2: numbers must be a list of 3 to 6 integers"):
         countdown.CountdownEnv.load_tasks(cd)
+
+
+# --- exact rationals through the solver, the expert and its thoughts ----------------------------
+@pytest.mark.parametrize("numbers", [[1, 5, 5, 5], [3, 3, 8, 8], [1, 3, 4, 6]])
+def test_expert_solves_fraction_puzzles_step_by_step(numbers):
+    """Every solution of these needs a fraction on the way; the expert writes it as ``a/b``."""
+    env = _env(numbers)
+    moves, result = [], None
+    while (action := env.expert_action()) is not None:
+        assert env.explain(action) is not None
+        moves.append(action)
+        result = env.step(action)
+        assert result.valid, (action, result.observation)
+    assert result.success and any("/" in fmt_ for m in moves for fmt_ in m.split(" ")[::2])
+
+
+def test_fractions_are_written_and_read_exactly():
+    env = _env([1, 5, 5, 5])
+    assert "1 / 5 = 1/5" in env.step("1 / 5").observation
+    assert "5 - 1/5 = 24/5" in env.step("5 - 1/5").observation
+    assert env.state.numbers == (Fraction(24, 5), 5)
+    assert not env.step("24/5 / 0").valid and not env.step("24/0 * 5").valid
+    r = env.step("24/5 * 5")
+    assert r.success and r.info == {"answer": "24"}
+
+
+# --- the answer step (task knob answer=on) -----------------------------------------------------
+def _answer_env(numbers, name="game24", target=24):
+    env = make_env(name)
+    row = {"numbers": numbers, "answer_step": True}
+    if name == "countdown":
+        row["target"] = target
+    env.reset(env.task_from_dict(row))
+    return env
+
+
+def test_answer_step_waits_for_the_whole_expression():
+    env = _answer_env([4, 4, 6, 8])
+    assert env.state.limit == 7 and env.state.answer_step
+    for action in ("4 + 8", "6 - 4", "12 * 2"):
+        r = env.step(action)
+    assert not r.done and r.valid and not r.success and r.reward == 0.0
+    assert "Only 24 is left" in r.observation and "Numbers left: 24 |" in r.observation
+    assert env.valid_actions() == ["answer (4 + 8) * (6 - 4)"] == [env.expert_action()]
+    assert not env.step("24 * 1").valid  # nothing left to combine
+    r = env.step("answer (4 + 8) * (6 - 4)")
+    assert r.terminated and r.success and r.reward == 1.0 and r.info == {"answer": "24"}
+    assert "(4 + 8) * (6 - 4) = 24" in r.observation
+
+
+@pytest.mark.parametrize("expr,why", [("(4 + 8) * 2", "must use exactly 4 4 6 8"),
+                                      ("4 * 8 - 6 - 4", "22 is not 24")])
+def test_answer_step_checks_numbers_and_value(expr, why):
+    env = _answer_env([4, 4, 6, 8])
+    for action in ("4 + 8", "6 - 4", "12 * 2"):
+        env.step(action)
+    r = env.step(f"answer {expr}")
+    assert r.terminated and not r.success and r.valid and why in r.observation
+
+
+def test_answer_step_with_fractions_and_a_direct_answer():
+    env = _answer_env([1, 5, 5, 5])
+    while not env.state.done:
+        r = env.step(env.expert_action())
+    assert r.success and env.state.steps == 4
+    assert env.state.path == ("1 / 5", "5 - 1/5", "24/5 * 5")
+    env = _answer_env([1, 5, 5, 5])
+    r = env.step("answer (5 - 1 / 5) * 5")  # ToT's last step straight from the start
+    assert r.terminated and r.success
+
+
+def test_answer_step_missed_target_still_ends():
+    env = _answer_env([4, 4, 6, 8])
+    for action in ("4 + 8", "6 - 4"):
+        env.step(action)
+    r = env.step("12 + 2")
+    assert r.terminated and not r.success and r.info == {"answer": "14"}
+
+
+def test_answer_step_off_is_todays_episode():
+    env = _env([4, 4, 6, 8])
+    for action in ("4 + 8", "6 - 4"):
+        env.step(action)
+    r = env.step("12 * 2")
+    assert r.terminated and r.success and env.state.limit == 6
+
+
+def test_answer_step_countdown_and_step_limit():
+    env = _answer_env([1, 2, 50], "countdown", target=52)
+    assert env.state.limit == 7
+    env.step("50 + 2")
+    r = env.step("52 * 1")
+    assert not r.done and env.expert_action() == "answer (50 + 2) * 1"
+    for _ in range(5):  # 2 combines + 5 refused steps = the limit, 2 * 3 + 1
+        r = env.step("hello")
+    assert r.truncated and not r.success and "Out of steps (7)" in r.observation
+
+
+@pytest.mark.parametrize("cls,split", [(game24.Game24Env, "test:answer=on"),
+                                       (game24.Game24Env, "test:level=2,answer=on"),
+                                       (countdown.CountdownEnv, "test:numbers=4,answer=on")])
+def test_answer_knob_in_the_split(cls, split):
+    tasks = cls.tasks(split, limit=3)
+    plain = cls.tasks(split.replace(",answer=on", "").replace(":answer=on", ""), limit=3)
+    assert cls.tasks(split)[:3] == tasks
+    assert [t.task_id for t in tasks] == [t.task_id for t in plain]
+    assert all(t.data["answer_step"] is True and "answer EXPR" in t.instruction for t in tasks)
+    assert all("answer_step" not in t.data and "answer EXPR" not in t.instruction for t in plain)
+    assert all(t.split == "test" for t in tasks)
+    base = split.replace(",answer=on", "").replace(":answer=on", "")
+    assert cls.tasks(base, limit=2, answer="on") == tasks[:2]
+    assert cls.tasks(split, limit=2, answer=False) == plain[:2]  # the keyword wins
+    assert cls.tasks(split.replace("=on", "=off"), limit=2) == plain[:2]
+
+
+def test_answer_knob_errors():
+    with pytest.raises(ValueError, match=r"^game24: task knob answer must be on or off, got 'yes'$"):
+        game24.Game24Env.tasks("test:answer=yes")
+    with pytest.raises(ValueError, match=r"unknown task knob 'size' \(known: level \(1-3\), answer \(on\|off\)\)"):
+        game24.Game24Env.tasks("test:size=2")
+    with pytest.raises(ValueError, match=r"answer_step must be true or false, got 'on'"):
+        game24.Game24Env.task_from_dict({"numbers": [1, 2, 3, 4], "answer_step": "on"})
+
+
+def test_answer_step_search_with_the_oracle():
+    import omrl_search as om
+
+    tasks = om.load_tasks("game24", "test:answer=on", limit=4)
+    for r in om.search_many(tasks, strategy="react", policy="scripted:oracle:p=0"):
+        actions = [s.action for s in r.best_trajectory.steps]
+        assert r.success and len(actions) == 4 and actions[-1].startswith("answer ")
+
+
+# --- state keys: history-distinct states stay apart; dedup_key merges them ----------------------
+def test_state_keys_keep_histories_apart():
+    a, b = _env([4, 4, 6, 8]), _env([4, 4, 6, 8])
+    a.step("4 + 8"), a.step("6 - 4")
+    b.step("6 - 4"), b.step("4 + 8")
+    assert a.state.numbers == b.state.numbers == (2, 12)
+    assert a.state_key() != b.state_key() and a.dedup_key() == b.dedup_key()
+    c = _env([4, 4, 6, 8])
+    c.step("4 + 8"), c.step("6 - 4")
+    assert c.state_key() == a.state_key()  # the same history: the same state
+    snap = a.snapshot()
+    b.restore(snap)
+    assert b.state_key() == snap.state_key == a.state_key()
