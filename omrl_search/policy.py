@@ -65,6 +65,24 @@ class Policy(ABC):
         (or the exception that request alone failed with), for every request done by now."""
         raise PolicyError(f"backend {self.name!r} does not stream")
 
+    @property
+    def can_score(self) -> bool:
+        """Whether :meth:`score` is implemented (``mcts:priors=policy`` and
+        ``beam:propose=policy`` need it): true when a subclass overrides it; a backend whose
+        ``score`` cannot serve sets ``can_score = False``."""
+        return type(self).score is not Policy.score
+
+    def score(self, requests: list[GenRequest], completions: list[list[str]]) -> list[list[float]]:
+        """Per request, the total logprob of each of ``completions[i]`` (texts) as the next
+        step after ``requests[i]``'s prompt: the sum of the logprobs of the completion's
+        tokens, read in one batched call over the shared prompt (policy priors over a node's
+        valid actions, see docs/design.md §4)."""
+        raise PolicyError(f"backend {self.name!r} does not score completions (Policy.score)")
+
+    def stats(self) -> dict[str, Any]:
+        """Backend counters worth reporting (e.g. the ``hf`` prefix cache's hit rate); {} if none."""
+        return {}
+
     def reload(self, path: str) -> None:
         """Pick up new weights (after training). Backends that can, override this."""
         raise PolicyError(f"backend {self.name!r} cannot reload weights")

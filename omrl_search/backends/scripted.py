@@ -11,6 +11,8 @@ never touch the search's env. Randomness comes only from the request's seed: the
 the same seed gives the same tree. Token ids come from :class:`ByteChatTokenizer`, and the
 logprob of each completion is the log-probability of the chosen action under the policy's own
 distribution, spread over its tokens, so trainers get consistent behaviour-policy logprobs.
+:meth:`ScriptedPolicy.score` gives a completion the log-probability of its action under that
+same distribution (``mcts:priors=policy``, ``beam:propose=policy``).
 """
 from __future__ import annotations
 
@@ -50,6 +52,23 @@ class ScriptedPolicy(Policy):
                                        "stop", True))
             out.append(gens)
         return out
+
+    def score(self, requests: list[GenRequest], completions: list[list[str]]) -> list[list[float]]:
+        """Per request, each completion's log-probability under the distribution the policy
+        samples from at the request's state: that of its parsed action (:meth:`action_prob`),
+        floored at 1e-12 like the logprobs of :meth:`generate`. Deterministic, no draws."""
+        from ..agent import ReActFormat
+
+        fmt, out = ReActFormat(), []
+        for req, comps in zip(requests, completions, strict=True):
+            env = self._env_for(req.meta)
+            out.append([math.log(max(self.action_prob(env, fmt.parse(c).action), 1e-12))
+                        for c in comps])
+        return out
+
+    def action_prob(self, env: Env, action: str) -> float:
+        """The probability that :meth:`choose` takes ``action`` in ``env``'s state."""
+        raise NotImplementedError
 
     def _env_for(self, meta: dict[str, Any]) -> Env:
         """An env of the policy's own in the request's state. A remote env's snapshot names
@@ -109,6 +128,18 @@ class OraclePolicy(ScriptedPolicy):
         prob = (1 - self.p) if others else 1.0
         return self.completion(self.reason(env, expert, rng), expert), prob
 
+    def action_prob(self, env, action):
+        expert = env.expert_action()
+        valid = list(dict.fromkeys(env.valid_actions() or []))
+        others = [a for a in valid if a != expert]
+        if expert is None:
+            prob = 1.0 / len(others) if action in others else 0.0
+        elif action == expert:
+            prob = (1 - self.p) if others else 1.0
+        else:
+            prob = self.p / len(others) if action in others else 0.0
+        return (1 - self.malformed) * prob
+
     @staticmethod
     def reason(env: Env, action: str, rng: random.Random) -> str:
         """The expert's thought: the env's ``explain(action, rng)`` when it has one (the
@@ -129,6 +160,10 @@ class RandomPolicy(ScriptedPolicy):
         if not actions:
             raise PolicyError(f"scripted:random needs valid_actions() from env {env.name!r}")
         return self.completion("Random choice.", actions[rng.randrange(len(actions))]), 1 / len(actions)
+
+    def action_prob(self, env, action):
+        actions = env.valid_actions() or []
+        return actions.count(action) / len(actions) if actions else 0.0
 
 
 @register_policy("scripted")
