@@ -6,14 +6,15 @@
         candidates <- k sampled next steps of every beam          (one batched LM call)
                       (propose=policy: for a beam whose env lists at most max_actions valid
                        actions, the k the policy scores highest, all scored in one call)
-        drop failed and duplicate states
+        drop failed nodes and repeats (dedup: state, the default | text | none)
         score candidates with the value source, reduced along the path by agg
         keep the `width` best; finished ones leave the beam, the others form the next beam
     answer <- the best-valued finished trajectory
 
 Knobs: ``width`` (beams kept), ``k`` (expansions per beam), ``value`` (auto | rm | heuristic |
 lm | logprob, see :mod:`strategies.values`), ``agg`` (last | min | mean | prod), ``temperature``,
-``propose`` (sample | policy) and ``max_actions``.
+``propose`` (sample | policy), ``max_actions`` and ``dedup`` (state | text | none). The kept
+beams stay in the order they were proposed (search-and-learn keeps its beams in index order).
 """
 from __future__ import annotations
 
@@ -22,9 +23,8 @@ from typing import Any
 
 from omrl_search.reward import AGGREGATIONS
 from omrl_search.strategy import Strategy, register_strategy
-from omrl_search.tree import unique_states
-
-from .values import best_answer, check_value, keep_best, make_value, scored_actions
+from .values import (best_answer, check_dedup, check_value, dedup_nodes, engine_dedup, keep_best,
+                     make_value, scored_actions)
 
 
 @register_strategy("beam")
@@ -37,6 +37,7 @@ class Beam(Strategy):
     temperature: float | None = None
     propose: str = "sample"
     max_actions: int = 32
+    dedup: str = "state"
 
     def __post_init__(self) -> None:
         if self.width < 1 or self.k < 1:
@@ -47,6 +48,7 @@ class Beam(Strategy):
         if self.agg not in AGGREGATIONS:
             raise ValueError(f"agg must be one of {', '.join(AGGREGATIONS)}, got {self.agg!r}")
         check_value(self.value, ("auto", "rm", "heuristic", "lm", "logprob"))
+        check_dedup(self.dedup)
 
     async def run(self, ctx) -> None:
         if self.propose == "policy" and not ctx.can_score:
@@ -56,26 +58,27 @@ class Beam(Strategy):
         beam = [ctx.root]
         while beam:
             kids = await self._propose(ctx, beam)
-            candidates = unique_states(c for cs in kids for c in cs)
+            candidates = dedup_nodes(ctx, (c for cs in kids for c in cs), self.dedup)
             if not candidates:
                 return
             kept = keep_best(ctx, candidates, await value(ctx, candidates), self.width,
-                             "below the beam")
+                             "below the beam", order="proposal")
             beam = [n for n in kept if ctx.expandable(n)]
 
     async def _propose(self, ctx, beam):
         """k children per beam: sampled, or (propose=policy) its k best-scored valid actions."""
+        dedup = engine_dedup(self.dedup)
         if self.propose == "sample":
-            return await ctx.expand(beam, self.k, temperature=self.temperature, dedup=True)
+            return await ctx.expand(beam, self.k, temperature=self.temperature, dedup=dedup)
         scored = await scored_actions(ctx, beam, self.max_actions)
         sample = [n for n in beam if n.id not in scored]
-        sampled = iter(await ctx.expand(sample, self.k, temperature=self.temperature, dedup=True)
+        sampled = iter(await ctx.expand(sample, self.k, temperature=self.temperature, dedup=dedup)
                        if sample else [])
         kids = []
         for n in beam:
             if n.id in scored:
                 best = sorted(scored[n.id], key=lambda item: -item[1])[:self.k]
-                kids.append(ctx.apply(n, [text for text, _ in best]))
+                kids.append(ctx.apply(n, [text for text, _ in best], dedup=dedup))
             else:
                 kids.append(next(sampled))
         return kids

@@ -15,7 +15,9 @@ A thought is a node (a trajectory prefix and its env state). The operations:
 The graph, e.g. ``generate:3>score>keep_best:3>aggregate:3>score>keep_best:2``, is applied
 again and again until no thought can go on; the answer is the best-valued finished thought.
 Knobs: ``graph`` (``default`` picks the env's graph from :data:`GRAPHS`), ``value``, ``agg``,
-``temperature``.
+``dedup`` (state | text | none: repeats merged after every operation that adds thoughts),
+``temperature``. ``keep_best`` returns the thoughts best first (ties in order), as GoT's
+``KeepBestN`` does, and the next operation takes them in that order.
 """
 from __future__ import annotations
 
@@ -24,9 +26,8 @@ from typing import Any
 
 from omrl_search.reward import AGGREGATIONS
 from omrl_search.strategy import Strategy, register_strategy
-from omrl_search.tree import unique_states
-
-from .values import best_answer, check_value, keep_best, make_value, remember
+from .values import (best_answer, check_dedup, check_value, dedup_nodes, engine_dedup, keep_best,
+                     make_value, remember)
 
 GRAPHS = {
     "game24": "generate:3>score>keep_best:3>aggregate:3>score>keep_best:2",
@@ -72,9 +73,11 @@ class GraphOfThoughts(Strategy):
     graph: Any = "default"
     value: Any = "auto"
     agg: str = "last"
+    dedup: str = "state"
     temperature: float | None = None
 
     def __post_init__(self) -> None:
+        check_dedup(self.dedup)
         if self.graph != "default":
             parse_graph(self.graph)
         if self.agg not in AGGREGATIONS:
@@ -92,8 +95,9 @@ class GraphOfThoughts(Strategy):
     # --- the operations: thoughts in, thoughts out ---------------------------------------------
     async def generate(self, ctx, thoughts, k, value):
         live = [t for t in thoughts if ctx.expandable(t)]
-        kids = await ctx.expand(live, k, temperature=self.temperature, dedup=True)
-        return unique_states([t for t in thoughts if not ctx.expandable(t)] + [c for cs in kids for c in cs])
+        kids = await ctx.expand(live, k, temperature=self.temperature, dedup=engine_dedup(self.dedup))
+        return dedup_nodes(ctx, [t for t in thoughts if not ctx.expandable(t)] + [c for cs in kids for c in cs],
+                           self.dedup)
 
     async def score(self, ctx, thoughts, _, value):
         remember(ctx, thoughts, await value(ctx, thoughts))
@@ -101,7 +105,8 @@ class GraphOfThoughts(Strategy):
 
     async def keep_best(self, ctx, thoughts, n, value):
         values = ctx.scratch.get("values", {})
-        return keep_best(ctx, thoughts, [values.get(t.id, 0.0) for t in thoughts], n, "not kept")
+        return keep_best(ctx, thoughts, [values.get(t.id, 0.0) for t in thoughts], n, "not kept",
+                         order="value")
 
     async def aggregate(self, ctx, thoughts, n, value):
         values = ctx.scratch.get("values", {})
@@ -111,13 +116,13 @@ class GraphOfThoughts(Strategy):
             return thoughts
         note = ("Several candidate steps were considered:\n" + _shown(best)
                 + "\nCombine what they got right into one better next step.")
-        return unique_states(thoughts + await self._derive(ctx, [best], [note]))
+        return dedup_nodes(ctx, thoughts + await self._derive(ctx, [best], [note]), self.dedup)
 
     async def refine(self, ctx, thoughts, _, value):
         live = [t for t in thoughts if t.parent is not None and ctx.expandable(t)]
         notes = [f"A previous attempt from this state was:\n{_shown([t])}\nImprove on it."
                  for t in live]
-        return unique_states(thoughts + await self._derive(ctx, [[t] for t in live], notes))
+        return dedup_nodes(ctx, thoughts + await self._derive(ctx, [[t] for t in live], notes), self.dedup)
 
     async def _derive(self, ctx, groups, notes):
         """One new thought per group: a step from the group's first thought's parent state,

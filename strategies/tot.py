@@ -1,24 +1,30 @@
 """Tree-of-Thoughts (Yao et al., NeurIPS 2023, "Tree of Thoughts: Deliberate Problem Solving
 with Large Language Models"): a proposer G suggests next thoughts, an evaluator V values states.
 
-BFS (the paper's Algorithm 1)::
+BFS (the paper's Algorithm 1, as its code runs it)::
 
-    S <- {root}
+    S <- [root]
     for each depth:
-        S' <- {children z of s | s in S, z in G(s, k)}      duplicates at a depth scored once
-        S  <- the b states of S' with the highest V            finished ones are set aside
+        S' <- [children z of s | s in S in order, z in G(s)]   repeats kept unless dedup is set
+        V  <- V(S'); a repeat within the step is valued 0; a finished state without an answer 0
+        S  <- the b states of S' with the highest V, best first (ties: proposal order)
+              finished ones are set aside
     answer <- the best-valued finished state
 
 DFS (Algorithm 2)::
 
     dfs(s): if s is finished: stop when V(s) >= accept, else backtrack
-            for s' in G(s, k) by decreasing V, skipping V(s') < threshold: dfs(s')
+            for s' in G(s) by decreasing V, skipping V(s') < threshold: dfs(s')
 
-Knobs: ``method`` (bfs | dfs), ``b`` (BFS breadth), ``k`` (proposals per state), ``evaluator``
-(a value source name — auto | lm | rm | heuristic | logprob — or any object with
-``async __call__(ctx, nodes) -> values``), ``n_evaluate`` (samples of the LM value prompt),
-``proposer`` (``sample``: k i.i.d. agent steps; ``propose``: one LM call listing k steps, the
-paper's Game-of-24 proposer; or any object with ``async __call__(ctx, nodes, k) -> children``),
+Knobs (docs/strategies.md has each with the paper's setting): ``method`` (bfs | dfs), ``b``
+(BFS breadth), ``k`` (samples per state for ``sample``, 3 when not given; for ``propose``, the
+proposals kept, all when not given, and only then written into the prompt), ``evaluator`` (a
+value source name — auto | lm | rm | heuristic | logprob — or any object with ``async
+__call__(ctx, nodes) -> values``), ``n_evaluate``, ``value_map`` and ``value_agg`` (the LM value
+prompt's samples, labels and their sum or mean), ``proposer`` (``sample``: k i.i.d. agent
+steps; ``propose``: one LM call listing next steps, the paper's Game-of-24 proposer; or any
+object with ``async __call__(ctx, nodes, k) -> children``), ``order`` (value | proposal),
+``dedup`` (none | state | text), ``zero_repeats``, ``last_step`` (answer | value),
 ``threshold`` and ``accept`` (DFS), ``temperature``.
 """
 from __future__ import annotations
@@ -27,39 +33,50 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from omrl_search.strategy import Strategy, register_strategy
-from omrl_search.tree import PRUNED, unique_states
+from omrl_search.tree import PRUNED
 
-from .values import best_answer, check_value, history, keep_best, make_value, remember
+from .values import (ANSWER_PROMPT, ORDERS, best_answer, check_dedup, check_value,
+                     dedup_nodes, engine_dedup, history, keep_best, last_step_values, make_value,
+                     parse_mapping, remember, zero_repeats)
 
 PROPOSE_PROMPT = (
+    "Task: {task}\n\nSteps so far:\n{history}\n\nCurrent state:\n{state}\n\n"
+    "Allowed actions:\n{actions}\n\nList the possible next actions, one per line, "
+    "each written as 'Act: <action>'."
+)
+PROPOSE_PROMPT_K = (
     "Task: {task}\n\nSteps so far:\n{history}\n\nCurrent state:\n{state}\n\n"
     "Allowed actions:\n{actions}\n\nList {k} different possible next actions, one per line, "
     "each written as 'Act: <action>'."
 )
+SAMPLES = 3  # samples per state of the ``sample`` proposer when ``k`` is not given
 
 
 class SampleProposer:
     """ToT's *sample* generator: k independent agent-format steps per state."""
 
-    def __init__(self, temperature: float | None = None):
-        self.temperature = temperature
+    def __init__(self, temperature: float | None = None, dedup: str = "state"):
+        self.temperature, self.dedup = temperature, dedup
 
-    async def __call__(self, ctx, nodes, k: int):
-        return await ctx.expand(nodes, k, temperature=self.temperature, dedup=True)
+    async def __call__(self, ctx, nodes, k: int | None):
+        return await ctx.expand(nodes, SAMPLES if k is None else k, temperature=self.temperature,
+                                dedup=engine_dedup(self.dedup))
 
 
 class ProposePrompt:
-    """ToT's *propose* generator: one LM answer lists up to k next actions, each applied.
+    """ToT's *propose* generator: one LM answer lists next actions, each applied.
 
-    ``prompt`` is a format string (``{task}``, ``{history}``, ``{state}``, ``{actions}``, ``{k}``)
-    or a function ``(ctx, node, k) -> str``; ``parse`` turns the answer into actions.
+    All listed actions are applied (ToT keeps every line of the answer) unless ``k`` is given;
+    ``k`` is written into the prompt only then. ``prompt`` is a format string (``{task}``,
+    ``{history}``, ``{state}``, ``{actions}``, and ``{k}`` when k is given) or a function
+    ``(ctx, node, k) -> str``; ``parse`` turns the answer into actions.
     """
 
-    def __init__(self, prompt: "str | Callable" = PROPOSE_PROMPT,
+    def __init__(self, prompt: "str | Callable | None" = None,
                  parse: Callable[[str], list[str]] | None = None, temperature: float | None = None,
-                 max_tokens: int = 160):
+                 max_tokens: int = 160, dedup: str = "state"):
         self.prompt, self.parse = prompt, parse or self.parse_actions
-        self.temperature, self.max_tokens = temperature, max_tokens
+        self.temperature, self.max_tokens, self.dedup = temperature, max_tokens, dedup
 
     @staticmethod
     def parse_actions(text: str) -> list[str]:
@@ -70,18 +87,24 @@ class ProposePrompt:
                 acts.append(rest.strip().strip("`"))
         return [a for a in acts if a]
 
-    def render(self, ctx, node, k: int) -> str:
-        if callable(self.prompt):
-            return self.prompt(ctx, node, k)
-        return self.prompt.format(task=ctx.task.instruction, history=history(ctx, node),
-                                  state=node.observation, k=k,
-                                  actions=getattr(ctx.env, "action_help", ""))
+    def render(self, ctx, node, k: int | None) -> str:
+        prompt = self.prompt
+        if callable(prompt):
+            return prompt(ctx, node, k)
+        if prompt is None:
+            prompt = PROPOSE_PROMPT if k is None else PROPOSE_PROMPT_K
+        elif k is None and "{k}" in prompt:
+            raise ValueError("the propose prompt writes {k}, but no k was given")
+        return prompt.format(task=ctx.task.instruction, history=history(ctx, node),
+                             state=node.observation, k=k,
+                             actions=getattr(ctx.env, "action_help", ""))
 
-    async def __call__(self, ctx, nodes, k: int):
+    async def __call__(self, ctx, nodes, k: int | None):
         answers = await ctx.ask(nodes, [self.render(ctx, n, k) for n in nodes],
                                 temperature=self.temperature, max_tokens=self.max_tokens)
-        return [ctx.apply(n, [f"Think: proposed step.\nAct: {a}" for a in self.parse(t[0])[:k]])
-                if t else [] for n, t in zip(nodes, answers)]
+        dedup = engine_dedup(self.dedup)
+        return [ctx.apply(n, [f"Think: proposed step.\nAct: {a}" for a in self.parse(t[0])[:k]],
+                          dedup=dedup) if t else [] for n, t in zip(nodes, answers)]
 
 
 @register_strategy("tot")
@@ -89,10 +112,16 @@ class ProposePrompt:
 class TreeOfThoughts(Strategy):
     method: str = "bfs"
     b: int = 5
-    k: int = 3
+    k: int | None = None
     evaluator: Any = "auto"
     n_evaluate: int = 3
+    value_map: Any = "sure:20/likely:1/impossible:0.001"
+    value_agg: str = "sum"
     proposer: Any = "sample"
+    order: str = "value"
+    dedup: str = "none"
+    zero_repeats: bool = True
+    last_step: str = "answer"
     threshold: float = 0.01
     accept: float = 0.5
     temperature: float | None = None
@@ -100,18 +129,29 @@ class TreeOfThoughts(Strategy):
     def __post_init__(self) -> None:
         if self.method not in ("bfs", "dfs"):
             raise ValueError(f"method must be bfs or dfs, got {self.method!r}")
-        if self.b < 1 or self.k < 1 or self.n_evaluate < 1:
+        if self.b < 1 or (self.k is not None and self.k < 1) or self.n_evaluate < 1:
             raise ValueError("b, k and n_evaluate must be >= 1")
         if isinstance(self.proposer, str) and self.proposer not in ("sample", "propose"):
             raise ValueError(f"proposer must be sample or propose, got {self.proposer!r}")
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {self.order!r}")
+        if self.value_agg not in ("sum", "mean"):
+            raise ValueError(f"value_agg must be sum or mean, got {self.value_agg!r}")
+        if self.last_step not in ("answer", "value"):
+            raise ValueError(f"last_step must be answer or value, got {self.last_step!r}")
+        check_dedup(self.dedup)
+        parse_mapping(self.value_map)
         check_value(self.evaluator, ("auto", "lm", "rm", "heuristic", "logprob"))
 
     def _parts(self, ctx):
-        value = make_value(self.evaluator, ctx, "last", n=self.n_evaluate)
+        value = make_value(self.evaluator, ctx, "last", n=self.n_evaluate,
+                           mapping=parse_mapping(self.value_map), reduce=self.value_agg,
+                           answer_prompt=ANSWER_PROMPT if self.last_step == "answer" else None,
+                           cache_by="prompt")
         if self.proposer == "sample":
-            return SampleProposer(self.temperature), value
+            return SampleProposer(self.temperature, self.dedup), value
         if self.proposer == "propose":
-            return ProposePrompt(temperature=self.temperature), value
+            return ProposePrompt(temperature=self.temperature, dedup=self.dedup), value
         return self.proposer, value
 
     async def run(self, ctx) -> None:
@@ -121,14 +161,26 @@ class TreeOfThoughts(Strategy):
         else:
             await self._dfs(ctx, propose, value)
 
+    async def _step(self, ctx, propose, value, states):
+        """One generation and evaluation: the candidates of ``states`` and their values."""
+        kids = await propose(ctx, states, self.k)
+        candidates = dedup_nodes(ctx, (c for cs in kids for c in cs), self.dedup)
+        if not candidates:
+            return [], []
+        values = await value(ctx, candidates)
+        if self.last_step == "answer":
+            values = last_step_values(candidates, values)
+        if self.zero_repeats:
+            values = zero_repeats(ctx, candidates, values)
+        return candidates, values
+
     async def _bfs(self, ctx, propose, value) -> None:
         states = [ctx.root]
         while states:
-            kids = await propose(ctx, states, self.k)
-            candidates = unique_states(c for cs in kids for c in cs)
+            candidates, values = await self._step(ctx, propose, value, states)
             if not candidates:
                 return
-            kept = keep_best(ctx, candidates, await value(ctx, candidates), self.b, "not in the b best")
+            kept = keep_best(ctx, candidates, values, self.b, "not in the b best", self.order)
             states = [s for s in kept if ctx.expandable(s)]
 
     async def _dfs(self, ctx, propose, value) -> None:
@@ -141,9 +193,7 @@ class TreeOfThoughts(Strategy):
                     ctx.scratch["answer"] = s
                     return
                 continue  # a dead end: backtrack
-            (kids,) = await propose(ctx, [s], self.k)
-            kids = unique_states(kids)
-            vals = await value(ctx, kids)
+            kids, vals = await self._step(ctx, propose, value, [s])
             remember(ctx, kids, vals)
             good = [i for i, v in enumerate(vals) if v >= self.threshold]
             for i in sorted(set(range(len(kids))) - set(good)):

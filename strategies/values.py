@@ -1,7 +1,7 @@
 """Value sources and frontier helpers shared by beam, ToT, GoT and MCTS.
 
 A value source scores nodes, ``await source(ctx, nodes) -> list[float]`` (higher is better, in
-[0, 1] for the built-in ones). Per-step sources give each step (or state) a value and reduce the
+[0, 1] for the built-in ones unless given another label map). Per-step sources give each step (or state) a value and reduce the
 values along the path with ``agg`` — ``last | min | mean | prod``, search-and-learn's convention.
 Values are cached per search in ``ctx.scratch``, so a node (or, for state values, a state) is
 scored once.
@@ -9,8 +9,8 @@ scored once.
 * ``rm`` — the reward model (``ctx.evaluate``), per-step scores reduced by ``agg``;
 * ``heuristic`` — the env's own ``heuristic()`` of each state, for envs that offer one;
 * ``lm`` — LM self-evaluation as in Tree-of-Thoughts: the LM judges each state *sure*, *likely*
-  or *impossible*, sampled ``n`` times, mapped to numbers and averaged (needs a policy that
-  answers free-form prompts);
+  or *impossible*, sampled ``n`` times, mapped to numbers (a configurable label map) and
+  averaged or summed (needs a policy that answers free-form prompts);
 * ``logprob`` — the policy's own probability of each step (``exp`` of its summed token
   logprobs); free, but with a real LM it favours short steps;
 * ``rollout`` — roll out to a terminal and score 1 if the env reports success. This consults
@@ -18,16 +18,20 @@ scored once.
 * ``auto`` — ``rm`` when the search has a reward model, else ``heuristic`` when the env has one,
   else ``lm`` when the policy answers prompts, else ``logprob`` (the fallback for scripted
   policies, which only pick actions).
+
+The frontier helpers say which nodes go on and in what order (:func:`keep_best`), which
+repeats are merged (:func:`dedup_nodes`: ``none | state | text``) and ToT's two value rules
+(:func:`zero_repeats`, :func:`last_step_values`).
 """
 from __future__ import annotations
 
 import math
 from itertools import chain
 from operator import attrgetter
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from omrl_search.reward import AGGREGATIONS, aggregate
-from omrl_search.tree import FAILED, PRUNED, Node
+from omrl_search.tree import DUPLICATE, FAILED, PRUNED, TERMINAL, Node, unique_states
 
 SOURCES = ("auto", "rm", "heuristic", "lm", "logprob", "rollout")
 
@@ -43,9 +47,13 @@ class ValueSource:
             raise ValueError(f"unknown aggregation {agg!r} (known: {', '.join(AGGREGATIONS)})")
         self.agg = agg
 
+    def cache_key(self, ctx) -> Callable[[Node], Any]:
+        """What a value is cached by: the state key (``by_state``) or the node id."""
+        return attrgetter("state_key" if self.by_state else "id")
+
     async def __call__(self, ctx, nodes: Sequence[Node]) -> list[float]:
         cache = ctx.scratch.setdefault(("value", self.name), {})
-        key = attrgetter("state_key" if self.by_state else "id")
+        key = self.cache_key(ctx)
         last = self.agg == "last"  # each node's own value: no path to walk
         paths = None if last else [ctx.tree.path(n)[1:] for n in nodes]
         todo: dict[Any, Node] = {}
@@ -112,6 +120,15 @@ VALUE_PROMPT = (
     "Current state:\n{state}\n\nCan the task still be completed from this state? Reason in one "
     "or two sentences, then give your verdict as the last word: sure, likely or impossible."
 )
+#: ToT's last-step judgement: the answer alone, judged sure or impossible (the env's verdict in
+#: the final observation is not shown: the LM judges, not the env)
+ANSWER_PROMPT = (
+    "Judge a final answer to a task.\n\nTask: {task}\n\nSteps taken:\n{history}\n\n"
+    "Final answer: {answer}\n\nIs this answer correct and does it follow the task's rules? "
+    "Reason in one or two sentences, then give your verdict as the last word: sure or impossible."
+)
+#: ToT's value map for Game of 24 (``value_outputs_unwrap``), summed over the samples
+PAPER_MAPPING = {"sure": 20.0, "likely": 1.0, "impossible": 0.001}
 
 
 def history(ctx, node: Node) -> str:
@@ -119,33 +136,76 @@ def history(ctx, node: Node) -> str:
     return "\n".join(f"{i}. {s.action or '(invalid)'}" for i, s in enumerate(steps, 1)) or "(none)"
 
 
+def answered(node: Node) -> bool:
+    """Whether the env itself ended the episode at ``node`` (an answer state): not cut by a
+    step limit, the depth limit or a fault."""
+    return node.terminal and node.status == TERMINAL and not node.error
+
+
+def parse_mapping(spec: "str | dict[str, float]") -> dict[str, float]:
+    """``"sure:20/likely:1/impossible:0.001"`` (or a dict) -> ``{label: score}``."""
+    if isinstance(spec, dict):
+        items = list(spec.items())
+    else:
+        items = []
+        for part in filter(None, (p.strip() for p in str(spec).split("/"))):
+            label, sep, score = part.partition(":")
+            if not sep:
+                raise ValueError(f"value map {spec!r}: expected label:score, got {part!r}")
+            items.append((label, score))
+    try:
+        out = {str(k).strip().lower(): float(v) for k, v in items}
+    except ValueError:
+        raise ValueError(f"value map {spec!r}: each score must be a number") from None
+    if not out:
+        raise ValueError(f"value map {spec!r} is empty")
+    return out
+
+
 class LMValue(ValueSource):
     """Tree-of-Thoughts' value prompt: ``n`` sampled verdicts per state, mapped and reduced.
 
-    The default mapping is the paper's sure/likely/impossible = 20/1/0.001 scaled by 1/20 into
-    [0, 1] (same ranking as the paper's sum over ``n`` samples); pass ``mapping`` and
-    ``reduce="sum"`` for the paper's numbers exactly, and ``prompt`` (a format string with
-    ``{task}``, ``{history}``, ``{state}``, or a function ``(ctx, node) -> str``) for its prompts.
-    A sample with no verdict counts 0.
+    ``mapping`` (label -> score; default the paper's sure/likely/impossible = 20/1/0.001 scaled
+    by 1/20 into [0, 1], which MCTS's PUCT needs) and ``reduce`` (``mean`` or the paper's
+    ``sum``) turn the samples into a value; a sample with no verdict counts 0. ``prompt`` is a
+    format string with ``{task}``, ``{history}``, ``{state}``, or a function ``(ctx, node) ->
+    str``. ``answer_prompt`` (same fields plus ``{answer}``), when given, judges answer states
+    instead (ToT's last step). ``cache_by``: ``state`` (a state is scored once) or ``prompt``
+    (ToT's ``value_cache``, keyed by the prompt text: a prompt that shows the history scores
+    each history once).
     """
 
     name, by_state = "lm", True
-    MAPPING = {"sure": 1.0, "likely": 0.05, "impossible": 0.00005}
+    MAPPING = {k: v / 20.0 for k, v in PAPER_MAPPING.items()}
 
-    def __init__(self, agg: str = "last", n: int = 3, mapping: dict[str, float] | None = None,
+    def __init__(self, agg: str = "last", n: int = 3, mapping: "dict[str, float] | str | None" = None,
                  prompt: "str | Callable[[Any, Node], str]" = VALUE_PROMPT, reduce: str = "mean",
-                 temperature: float | None = None, max_tokens: int = 64):
+                 temperature: float | None = None, max_tokens: int = 64,
+                 answer_prompt: "str | Callable[[Any, Node], str] | None" = None,
+                 cache_by: str = "state"):
         super().__init__(agg)
-        if n < 1 or reduce not in ("mean", "sum"):
-            raise ValueError(f"LMValue needs n >= 1 and reduce mean|sum (got n={n}, reduce={reduce!r})")
-        self.n, self.mapping, self.prompt, self.reduce = n, dict(mapping or self.MAPPING), prompt, reduce
+        if n < 1 or reduce not in ("mean", "sum") or cache_by not in ("state", "prompt"):
+            raise ValueError(f"LMValue needs n >= 1, reduce mean|sum and cache_by state|prompt "
+                             f"(got n={n}, reduce={reduce!r}, cache_by={cache_by!r})")
+        self.n, self.prompt, self.reduce = n, prompt, reduce
+        self.mapping = parse_mapping(self.MAPPING if mapping is None else mapping)
+        self.answer_prompt, self.cache_by = answer_prompt, cache_by
         self.temperature, self.max_tokens = temperature, max_tokens
 
+    def cache_key(self, ctx) -> Callable[[Node], Any]:
+        if self.cache_by == "prompt":
+            return lambda n: self.render(ctx, n)
+        return super().cache_key(ctx)
+
     def render(self, ctx, node: Node) -> str:
-        if callable(self.prompt):
-            return self.prompt(ctx, node)
-        return self.prompt.format(task=ctx.task.instruction, history=history(ctx, node),
-                                  state=node.observation)
+        prompt = self.prompt
+        if self.answer_prompt is not None and answered(node):
+            prompt = self.answer_prompt
+        if callable(prompt):
+            return prompt(ctx, node)
+        return prompt.format(task=ctx.task.instruction, history=history(ctx, node),
+                             state=node.observation,
+                             answer=node.step.action if node.step is not None else "")
 
     def verdict(self, text: str) -> float:
         words = [w.strip(".,:;!*'\"()") for w in text.lower().split()]
@@ -259,14 +319,97 @@ def remember(ctx, nodes: Sequence[Node], values: Sequence[float]) -> None:
     ctx.scratch.setdefault("values", {}).update((n.id, v) for n, v in zip(nodes, values))
 
 
-def keep_best(ctx, nodes: Sequence[Node], values: Sequence[float], n: int, why: str) -> list[Node]:
-    """The ``n`` best nodes by value (ties: earlier first); the others are marked pruned."""
+ORDERS = ("value", "proposal")
+
+
+def keep_best(ctx, nodes: Sequence[Node], values: Sequence[float], n: int, why: str,
+              order: str = "proposal") -> list[Node]:
+    """The ``n`` best nodes by value (ties: earlier first); the others are marked pruned.
+
+    ``order`` is the order they come back in, which is the order the next step expands them:
+    ``value`` (descending value, ties in proposal order: ToT's ``sorted(..., reverse=True)``
+    and GoT's ``KeepBestN``) or ``proposal`` (the order they were proposed: search-and-learn's
+    beam keeps its beams in index order)."""
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
     remember(ctx, nodes, values)
-    order = sorted(range(len(nodes)), key=lambda i: -values[i])
-    kept = sorted(order[:n])
-    for i in order[n:]:
+    ranked = sorted(range(len(nodes)), key=lambda i: -values[i])  # stable: ties stay in order
+    kept = ranked[:n] if order == "value" else sorted(ranked[:n])
+    for i in ranked[n:]:
         nodes[i].status, nodes[i].error = PRUNED, why
     return [nodes[i] for i in kept]
+
+
+# --- duplicates: none | state | text -------------------------------------------------------------
+DEDUP = ("none", "state", "text")
+
+
+def check_dedup(mode: str) -> None:
+    if mode not in DEDUP:
+        raise ValueError(f"dedup must be one of {', '.join(DEDUP)}, got {mode!r}")
+
+
+def engine_dedup(mode: str) -> bool:
+    """The engine's ``expand``/``apply`` flag for a dedup mode: the engine merges by state only;
+    ``text`` is grouped by the strategy (:func:`dedup_nodes`)."""
+    return mode == "state"
+
+
+def text_key(ctx, node: Node) -> int:
+    """An id shared by nodes reached by the same action texts from the root (ToT's ``y``: the
+    whole output so far). Two children of one parent share it when they wrote the same
+    action; interned per search, so the key is computed once per node."""
+    by_node, by_path = ctx.scratch.setdefault("text_keys", ({}, {}))
+    key = by_node.get(node.id)
+    if key is None:
+        key = 0  # the root
+        if node.parent is not None:
+            step = node.step
+            path = (text_key(ctx, ctx.tree.nodes[node.parent]), (step.action or step.completion) if step else "")
+            key = by_path.setdefault(path, len(by_path) + 1)
+        by_node[node.id] = key
+    return key
+
+
+def dedup_nodes(ctx, nodes: Iterable[Node], mode: str, seen: set | None = None) -> list[Node]:
+    """``nodes`` without failed or pruned ones and, by ``mode``, without repeats: ``none`` keeps
+    repeats, ``state`` drops a node whose state key was met before (:func:`unique_states`),
+    ``text`` one whose action texts from the root were (:func:`text_key`). A dropped repeat is
+    marked pruned as a duplicate; ``seen`` (keys met before) is updated in place."""
+    if mode == "state":
+        return unique_states(nodes, seen)
+    if mode == "none":
+        return [n for n in nodes if n.status not in (FAILED, PRUNED)]
+    seen = set() if seen is None else seen
+    out = []
+    for n in nodes:
+        if n.status in (FAILED, PRUNED):
+            continue
+        key = text_key(ctx, n)
+        if key in seen:
+            n.status, n.error = PRUNED, DUPLICATE
+            continue
+        seen.add(key)
+        out.append(n)
+    return out
+
+
+def zero_repeats(ctx, nodes: Sequence[Node], values: Sequence[float]) -> list[float]:
+    """ToT's ``get_values`` rule: a candidate repeating an earlier one of the same step (same
+    action texts from the root) is valued 0, so the copy does not take a second slot."""
+    seen: set[int] = set()
+    out = []
+    for n, v in zip(nodes, values):
+        key = text_key(ctx, n)
+        out.append(0.0 if key in seen else v)
+        seen.add(key)
+    return out
+
+
+def last_step_values(nodes: Sequence[Node], values: Sequence[float]) -> list[float]:
+    """ToT's last-step rule (``value_outputs_unwrap``): a finished state that gave no answer
+    (cut by a step or depth limit) is valued 0; answer states keep their judged value."""
+    return [0.0 if n.terminal and not answered(n) else v for n, v in zip(nodes, values)]
 
 
 def best_answer(ctx) -> Node | None:

@@ -93,7 +93,8 @@ class SolvableValue:
 
 # --- ToT ----------------------------------------------------------------------------------------
 def test_tot_bfs_keeps_exactly_b_states_per_depth():
-    results = om.search_many(TASKS, strategy="tot:b=2,k=4", policy="scripted:oracle:p=0.6")
+    results = om.search_many(TASKS, strategy="tot:b=2,k=4,dedup=state,zero_repeats=false",
+                             policy="scripted:oracle:p=0.6")
     checked = 0
     for r in results:
         for depth in range(1, max(n.depth for n in r.tree.nodes) + 1):
@@ -161,6 +162,32 @@ def test_dfsdt_backtracks_and_shows_tried_siblings():
     assert len(notes) >= 8
 
 
+def test_dfsdt_backs_up_two_levels_from_a_lost_ending():
+    """ToolBench's prune_back_length: after a lost ending, its parent gets no second child."""
+    for back, seconds in ((2, 0), (1, 8)):
+        results = om.search_many(TASKS[:8], strategy=f"dfsdt:width=2,back={back}", policy=TrapPolicy())
+        assert all(r.success for r in results)
+        # how many first depth-2 nodes (under the trap) were given a second child
+        firsts = [r.tree.nodes[r.tree.nodes[1].children[0]] for r in results]
+        assert sum(len(n.children) > 1 for n in firsts) == seconds, back
+
+
+def test_dfsdt_stop_answer_stops_at_the_first_answer_unchecked():
+    """ToolBench stops at the model's first final answer, right or wrong; no verifier."""
+    results = om.search_many(TASKS[:8], strategy="dfsdt:stop=answer", policy=TrapPolicy())
+    for r in results:
+        assert not r.success and not r.verifier_in_loop  # the trap's answer ends the search
+        assert [n.depth for n in r.tree.nodes] == list(range(len(r.tree.nodes)))  # one chain
+        assert r.best_trajectory.nodes[-1] is r.tree.nodes[-1] and r.tree.nodes[-1].terminal
+    assert om.make_strategy("dfsdt").verifier_in_loop
+    for bad in ("dfsdt:stop=first", "dfsdt:back=0", "dfsdt:dedup=all"):
+        try:
+            om.make_strategy(bad)
+        except ValueError:
+            continue
+        raise AssertionError(bad)
+
+
 # --- GoT ----------------------------------------------------------------------------------------
 def test_got_aggregates_have_several_parents_and_the_graph_is_a_dag():
     results = om.search_many(TASKS, strategy="got", policy="scripted:oracle:p=0.5")
@@ -187,6 +214,23 @@ def test_got_refine_graph_runs_and_validates():
         except ValueError:
             continue
         raise AssertionError(bad)
+
+
+def test_got_keep_best_hands_on_thoughts_best_first():
+    """GoT's KeepBestN sorts by score, best first: the next generate expands in that order."""
+    from strategies.got import GraphOfThoughts
+
+    class ByPosition:
+        name = "by_position"
+
+        async def __call__(self, ctx, nodes):
+            table = {1: 0.2, 2: 0.5, 3: 0.9}
+            return [table.get(n.id, 0.0) for n in nodes]
+
+    strat = GraphOfThoughts(graph="generate:3>score>keep_best:2", value=ByPosition(), dedup="none")
+    (r,) = om.search_many(TASKS[:1], strategy=strat, policy="scripted:oracle:p=0.5")
+    depth1 = sorted((n for n in r.tree.nodes if n.depth == 1 and n.children), key=lambda n: n.children[0])
+    assert [n.id for n in depth1] == [3, 2] and r.tree.nodes[1].status == "pruned"
 
 
 # --- MCTS ---------------------------------------------------------------------------------------
