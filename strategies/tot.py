@@ -53,9 +53,11 @@ SAMPLES = 3  # samples per state of the ``sample`` proposer when ``k`` is not gi
 
 
 class SampleProposer:
-    """ToT's *sample* generator: k independent agent-format steps per state."""
+    """ToT's *sample* generator: k independent agent-format steps per state. ``dedup="state"``
+    lets the engine merge siblings with equal states; the strategy's ``dedup`` rule applies to
+    the candidates in any case."""
 
-    def __init__(self, temperature: float | None = None, dedup: str = "state"):
+    def __init__(self, temperature: float | None = None, dedup: str = "none"):
         self.temperature, self.dedup = temperature, dedup
 
     async def __call__(self, ctx, nodes, k: int | None):
@@ -69,12 +71,13 @@ class ProposePrompt:
     All listed actions are applied (ToT keeps every line of the answer) unless ``k`` is given;
     ``k`` is written into the prompt only then. ``prompt`` is a format string (``{task}``,
     ``{history}``, ``{state}``, ``{actions}``, and ``{k}`` when k is given) or a function
-    ``(ctx, node, k) -> str``; ``parse`` turns the answer into actions.
+    ``(ctx, node, k) -> str``; ``parse`` turns the answer into actions. ``dedup`` as for
+    :class:`SampleProposer`.
     """
 
     def __init__(self, prompt: "str | Callable | None" = None,
                  parse: Callable[[str], list[str]] | None = None, temperature: float | None = None,
-                 max_tokens: int = 160, dedup: str = "state"):
+                 max_tokens: int = 160, dedup: str = "none"):
         self.prompt, self.parse = prompt, parse or self.parse_actions
         self.temperature, self.max_tokens, self.dedup = temperature, max_tokens, dedup
 
