@@ -150,3 +150,46 @@ def test_oracle_demos_round_trip_through_openmanus(tmp_path):
     replies = [m["content"] for b in back for m in b["messages"] if m["role"] == "assistant"]
     assert all(re.match(r"Think: [^\n]*\d[^\n]*\nAct: \S", c) for c in replies)
     assert not any("Following the plan." in c for c in replies)
+
+
+# --- examples/tot_game24: ToT's Game24 propose / value pair through the public API -------------
+def _tot_example():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "tot_game24" / "tot_game24.py"
+    spec = importlib.util.spec_from_file_location("tot_game24_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tot_game24_example_parses_proposals_and_answers():
+    ex = _tot_example()
+    text = "3 + 5 = 8 (left: 7 8 13)\n7 / 3 = 7/3 (left: 7/3 5 13)\n8/3 * 9 = 24 (left: 24)\nnoise\n"
+    assert ex.parse_proposals(text) == ["3 + 5", "7 / 3", "8/3 * 9"]
+    assert ex.parse_proposals("Answer: (6 - 4) * (4 + 8) = 24") == ["answer (6 - 4) * (4 + 8)"]
+    assert ex.numbers_left("7 / 3 = 7/3\nNumbers left: 5 7/3 13 | target: 24") == ["5", "7/3", "13"]
+
+
+def test_tot_game24_example_runs_the_papers_protocol():
+    ex = _tot_example()
+    game24 = env_class("game24")
+    tasks = [game24.task_from_dict({"numbers": n, "answer_step": True}) for n in ([1, 5, 5, 5], [3, 3, 8, 8])]
+    tasks += om.load_tasks("game24", "test:answer=on", limit=4)
+    policy, strat = ex.ScriptedToT(), ex.strategy()
+    results = om.search_many(tasks, strategy=strat, policy=policy)
+    kinds = [p.split("\n", 1)[0].split()[0] for p in policy.prompts]
+    assert {"Use", "Rewrite", "Evaluate", "Judge"} == set(kinds)
+    for r in results:
+        steps = r.best_trajectory.steps
+        assert r.success and len(steps) == 4 and steps[-1].action.startswith("answer ")
+        assert all(s.valid for s in steps)
+        root = r.tree.nodes[0]
+        first = ex.parse_proposals(ex.ScriptedToT.answer(ex.propose_prompt(None, root)))
+        assert len(root.children) == (len(first) if strat.k is None else min(strat.k, len(first)))
+    fractions = [s.action for r in results[:2] for s in r.best_trajectory.steps]
+    assert any(re.search(r"\d/\d", a) for a in fractions)  # 1 5 5 5 and 3 3 8 8 need fractions
+    again = om.search_many(tasks, strategy=ex.strategy(), policy=ex.ScriptedToT())
+    assert [r.best_trajectory.to_dict()["node_ids"] for r in again] == \
+        [r.best_trajectory.to_dict()["node_ids"] for r in results]
