@@ -6,7 +6,8 @@
         node <- top of stack
         if node is finished:
             stop=success: stop if the env reports success (verifier in the loop), else back up
-                          `back` levels (a lost ending is ToolBench's give-up: 2)
+                          `back` levels (ToolBench backs up 2 after a give-up, and after an
+                          answer when it wants more answers)
             stop=answer:  stop at the first answer state (ToolBench's give_answer), whatever
                           it is; a branch cut by a step or depth limit backs up one level
         elif node already has `width` children: back up one level
