@@ -109,3 +109,11 @@ def test_decide_uses_the_paired_test():
     # any significantly worse dev strategy rejects
     two = decide({"react": better["react"], "bon": worse["react"]}, {"react": best["react"], "bon": best["react"]})
     assert not two["keep"] and "bon" in two["reason"] and "react" not in two["reason"].split("bon")[0]
+
+
+def test_schedule_names_each_rounds_trainers():
+    cfg = LoopConfig(schedule=[["sft"], ["rs_sft", "dpo"], ["grpo"]])
+    assert [cfg.trainers(r) for r in (1, 2, 3, 4)] == [["sft"], ["rs_sft", "dpo"], ["grpo"], ["grpo"]]
+    assert LoopConfig(first=["dpo"], then=["grpo"]).trainers(2) == ["grpo"]
+    with pytest.raises(ValueError, match="rlhf"):
+        LoopConfig(schedule=[["sft"], ["rlhf"]], policy="scripted:oracle", prm=False).check()

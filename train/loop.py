@@ -77,6 +77,8 @@ class LoopConfig(BaseModel):
     # policy training
     first: list[str] = Field(default_factory=lambda: ["sft"])
     then: list[str] = Field(default_factory=lambda: ["rs_sft", "dpo"])
+    # per-round trainers (round r runs schedule[r-1], the last entry repeating); replaces first/then
+    schedule: list[list[str]] | None = None
     rs_cap: int = Field(2, ge=1)  # rs_sft: distinct successful trajectories kept per task
     trainer_settings: dict[str, dict[str, Any]] = Field(default_factory=lambda: {
         "sft": {"max_steps": 100, "lr": 5e-5, "batch_size": 4},
@@ -105,7 +107,9 @@ class LoopConfig(BaseModel):
         parse_budgets(self.eval_budgets)
         if len(parse_budgets(self.dev_budget)[1]) != 1:
             raise ValueError(f"dev_budget: one budget, got {self.dev_budget!r}")
-        for name in self.first + self.then + list(self.trainer_settings):
+        if self.schedule is not None and not self.schedule:
+            raise ValueError("schedule: at least one round's trainers")
+        for name in self.first + self.then + sum(self.schedule or [], []) + list(self.trainer_settings):
             if name not in TRAINERS:
                 raise ValueError(f"unknown trainer {name!r} (one of {', '.join(TRAINERS)})")
         if self.curriculum is not None:
@@ -116,6 +120,13 @@ class LoopConfig(BaseModel):
                 continue
             if model != "smollm2" and not Path(model).exists() and (key == "prm_base" or ":" not in model):
                 raise ValueError(f"{key}: {model} does not exist (smollm2 or an HF model folder)")
+
+
+    def trainers(self, r: int) -> list[str]:
+        """The trainers round ``r`` (from 1) runs, in order."""
+        if self.schedule is not None:
+            return list(self.schedule[min(r, len(self.schedule)) - 1])
+        return list(self.first if r == 1 else self.then)
 
 
 class LoopError(Exception):
@@ -217,7 +228,7 @@ def run_loop(cfg: LoopConfig) -> dict[str, Any]:
             prm = info["prm"].get("model") or prm
         info["data"] = run.stage(f"round_{r}/data", st.data_stage(cfg, r))
         info["stages"] = []
-        for kind in (cfg.first if r == 1 else cfg.then):
+        for kind in cfg.trainers(r):
             train = run.stage(f"round_{r}/train_{kind}", st.train_stage(cfg, r, kind, track.current))
             dev = None
             if "skipped" not in train and cfg.dev_limit:
