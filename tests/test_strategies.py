@@ -59,7 +59,7 @@ def ledger(monkeypatch):
 
 
 @pytest.mark.parametrize("strategy", SEARCHES)
-@pytest.mark.parametrize("kind,limit", [("tokens", 4000), ("lm_calls", 4), ("env_steps", 6)])
+@pytest.mark.parametrize("kind,limit", [("tokens", 2000), ("lm_calls", 4), ("env_steps", 6)])
 def test_budget_overshoots_by_at_most_one_batch(ledger, strategy, kind, limit):
     results = om.search_many(TASKS[:10], strategy=strategy, policy="scripted:oracle:p=0.5",
                              budget={kind: limit})
