@@ -148,7 +148,9 @@ def measure(name: str, strategy: str, tasks, profile: bool) -> dict:
 def workloads(simulations: int) -> dict[str, str]:
     """The strategy specs timed here, by name."""
     return {"mcts": f"mcts:simulations={simulations},leaves=4,k=3,value=rollout",
-            "tot": "tot:method=bfs,b=5,k=3,evaluator=logprob"}
+            "tot": "tot:method=bfs,b=5,k=3,evaluator=logprob",
+            "beam": "beam:width=5,k=3,value=logprob",
+            "dfs": "tot:method=dfs,k=3,evaluator=logprob"}
 
 
 def main() -> None:

@@ -96,7 +96,7 @@ CLOCK = eo.CLOCK
 
 
 def import_reasoners_mcts():
-    """``(reasoners.algorithm.mcts, note)``, or ``(None, why)`` when llm-reasoners is missing."""
+    """``(reasoners.algorithm, note)``, or ``(None, why)`` when llm-reasoners is missing."""
     if importlib.util.find_spec("reasoners") is None:
         return None, "llm-reasoners is not installed"
     stand_ins = [name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None]
@@ -105,14 +105,14 @@ def import_reasoners_mcts():
     if "transformers" in stand_ins:
         sys.modules["transformers"].StoppingCriteriaList = list  # only an annotation in base.py
     try:
-        from reasoners.algorithm import mcts
+        from reasoners import algorithm
     except ImportError as exc:
-        return None, f"cannot import reasoners.algorithm.mcts: {exc}"
+        return None, f"cannot import reasoners.algorithm: {exc}"
     finally:
         for name in stand_ins:
             del sys.modules[name]
     note = f"stand-ins for {', '.join(stand_ins)} during import" if stand_ins else "plain import"
-    return mcts, note
+    return algorithm, note
 
 
 def make_hooks():
@@ -284,9 +284,10 @@ def stepped(trees, agent: bool):
     return out
 
 
-def env_replay_seconds(trees, agent: bool) -> float:
+def env_replay_seconds(trees, agent: bool, steps_per_node: int = 1) -> float:
     """CPU seconds of the searches' env calls (``init_state``, then ``step`` and
-    ``is_terminal`` per stepped node), replayed on fresh plain world models."""
+    ``is_terminal`` per stepped node; ``steps_per_node`` steps where the algorithm steps each
+    node more than once, as llm-reasoners' DFS does), replayed on fresh plain world models."""
     world_cls, _ = make_hooks()
     calls = stepped(trees, agent)  # gathered before the clock starts
     t0 = CLOCK()
@@ -295,36 +296,54 @@ def env_replay_seconds(trees, agent: bool) -> float:
         world.init_state()
         step, terminal = world.step, world.is_terminal
         for parent, action, state in steps:
-            step(parent, action)
+            for _ in range(steps_per_node):
+                step(parent, action)
             terminal(state)
     return CLOCK() - t0
 
 
-def hook_replay_seconds(config_cls, k: int, trees) -> float:
+def hook_replay_seconds(config_cls, k: int, trees, fast: bool = True) -> float:
     """CPU seconds of the zero-cost hooks the searches called (``get_actions``,
-    ``fast_reward``, ``reward``), replayed from the final trees on fresh configs."""
+    ``fast_reward`` unless ``fast`` is False, ``reward``), replayed from the final trees on
+    fresh configs."""
     calls = []
     for (task, root), (_, steps) in zip(trees, stepped(trees, agent=False)):
-        asked = [n for n in walk(root) if n.children is not None]
+        asked = [n for n in walk(root) if n.children]
         calls.append((steps, [n.state for n in asked],
-                      [(n.state, c.action) for n in asked for c in n.children]))
+                      [(n.state, c.action) for n in asked for c in n.children] if fast else []))
     t0 = CLOCK()
     for i, (steps, asked, proposed) in enumerate(calls):
         config = config_cls(k, i)
-        actions, fast, reward = config.get_actions, config.fast_reward, config.reward
+        actions, fast_reward, reward = config.get_actions, config.fast_reward, config.reward
         for state in asked:
             actions(state)
         for state, action in proposed:
-            fast(state, action)
+            fast_reward(state, action)
         for parent, action, state in steps:
             reward(parent, action, success=state.payload.success)
     return CLOCK() - t0
 
 
-def measure_reasoners(mcts, tasks, simulations: int, k: int, calc_q, agent: bool = False) -> dict:
-    """llm-reasoners' MCTS over every task, one at a time. Plain: every hook is subtracted.
-    ``agent``: only the env calls and the policy's own clock are (prompt building, parsing
-    and the agent's state bookkeeping stay in, as on our side)."""
+#: llm-reasoners' counterparts of the workloads: MCTS (``n_iters`` simulations, UCT on Q),
+#: BeamSearch (``beam_size`` 5, k=3 per beam, argmax on the step's reward, ties in proposal
+#: order) and DFS (``max_per_state`` 3, no prior, explores until its ``total_states``; it
+#: steps each child twice, once outside its state-count check, so its env replay does too)
+def reasoners_search(algorithm, kind: str, simulations: int, calc_q):
+    depth = Game24Env.max_steps
+    if kind == "mcts":
+        return algorithm.MCTS(n_iters=simulations, depth_limit=depth, w_exp=1.0, calc_q=calc_q,
+                              disable_tqdm=True)
+    if kind == "beam":
+        return algorithm.BeamSearch(beam_size=5, max_depth=depth)
+    return algorithm.DFS(total_states=10_000, max_per_state=3, depth=depth, prior=False,
+                         max_terminal_nodes=10_000)
+
+
+def measure_reasoners(algorithm, tasks, simulations: int, k: int, calc_q, agent: bool = False,
+                      kind: str = "mcts") -> dict:
+    """llm-reasoners' ``kind`` search over every task, one at a time. Plain: every hook is
+    subtracted. ``agent``: only the env calls and the policy's own clock are (prompt building,
+    parsing and the agent's state bookkeeping stay in, as on our side)."""
     policy = eo.ZeroCostPolicy()
     if agent:
         world_cls, config_cls = make_agent_hooks(policy)
@@ -332,39 +351,43 @@ def measure_reasoners(mcts, tasks, simulations: int, k: int, calc_q, agent: bool
     else:
         world_cls, config_cls = make_hooks()
         configs = [config_cls(k, i) for i in range(len(tasks))]
-    algo = mcts.MCTS(n_iters=simulations, depth_limit=Game24Env.max_steps, w_exp=1.0,
-                     calc_q=calc_q, disable_tqdm=True)
+    algo = reasoners_search(algorithm, kind, simulations, calc_q)
+    root_of = (lambda out: out.tree_state) if kind != "beam" else (lambda out: out.tree)
     t0 = CLOCK()
-    trees = [(task, algo(world_cls(task), config).tree_state) for task, config in zip(tasks, configs)]
+    trees = [(task, root_of(algo(world_cls(task), config))) for task, config in zip(tasks, configs)]
     cpu = CLOCK() - t0
-    env_s = env_replay_seconds(trees, agent)
-    policy_s = policy.seconds if agent else hook_replay_seconds(config_cls, k, trees)
+    twice = 2 if kind == "dfs" else 1
+    env_s = env_replay_seconds(trees, agent, twice)
+    policy_s = policy.seconds if agent else hook_replay_seconds(config_cls, k, trees, kind != "dfs")
     all_nodes = [n for _, root in trees for n in walk(root)]
     nodes = sum(1 for n in all_nodes if n.parent is not None and n.state is not None)
-    sims = sum(len(root.cum_rewards) for _, root in trees)
+    sims = sum(len(root.cum_rewards) for _, root in trees) if kind == "mcts" else 0
     solved = sum(any(n.state is not None and n.reward > 0 for n in walk(root)) for _, root in trees)
-    return row(cpu, env_s, policy_s, nodes, sims, len(all_nodes) - len(trees), solved)
+    return row(cpu, env_s, policy_s, nodes, sims, len(all_nodes) - len(trees), solved,
+               nodes * twice)
 
 
 def row(cpu: float, env_s: float, policy_s: float, nodes: int, sims: int, created: int,
-        solved: int) -> dict:
+        solved: int, env_steps: int | None = None) -> dict:
     over = cpu - env_s - policy_s
+    env_steps = env_steps or nodes
     return {"nodes": nodes, "children_created": created, "simulations": sims,
-            "trees_with_success": solved, "cpu_s": round(cpu, 4), "env_s": round(env_s, 4),
-            "policy_s": round(policy_s, 4), "overhead_s": round(over, 4),
+            "env_steps": env_steps, "trees_with_success": solved, "cpu_s": round(cpu, 4),
+            "env_s": round(env_s, 4), "policy_s": round(policy_s, 4), "overhead_s": round(over, 4),
             "us_per_node": round(1e6 * cpu / nodes, 2),
             "env_us_per_node": round(1e6 * env_s / nodes, 2),
             "policy_us_per_node": round(1e6 * policy_s / nodes, 2),
             "overhead_us_per_node": round(1e6 * over / nodes, 2),
             "overhead_us_per_child": round(1e6 * over / created, 2),
-            "overhead_us_per_simulation": round(1e6 * over / sims, 2)}
+            "overhead_us_per_env_step": round(1e6 * over / env_steps, 2),
+            "overhead_us_per_simulation": round(1e6 * over / sims, 2) if sims else "-"}
 
 
-def measure_omrl(tasks, simulations: int) -> dict:
-    """``engine_overhead.measure`` on its MCTS spec, in this table's terms."""
-    r = eo.measure("mcts", eo.workloads(simulations)["mcts"], tasks, profile=False)
-    return row(r["cpu_s"], r["env_s"], r["policy_s"], r["nodes"], r["simulations"], r["nodes"],
-               r["trees_with_success"])
+def measure_omrl(tasks, simulations: int, kind: str = "mcts") -> dict:
+    """``engine_overhead.measure`` on its ``kind`` spec, in this table's terms."""
+    r = eo.measure(kind, eo.workloads(simulations)[kind], tasks, profile=False)
+    return row(r["cpu_s"], r["env_s"], r["policy_s"], r["nodes"], r["simulations"] if kind == "mcts" else 0,
+               r["nodes"], r["trees_with_success"], r["env_steps"])
 
 
 def python_mean(xs):
@@ -372,49 +395,67 @@ def python_mean(xs):
     return sum(xs) / len(xs)
 
 
+KINDS = ("mcts", "beam", "dfs")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tasks", type=int, default=100)
     ap.add_argument("--simulations", type=int, default=200)
     ap.add_argument("--repeat", type=int, default=5, help="runs per side; the fastest is kept")
+    ap.add_argument("--kinds", default="mcts", help=f"comma-separated, of {','.join(KINDS)}")
     args = ap.parse_args()
+    kinds = [k for k in args.kinds.split(",") if k]
+    if not kinds or any(k not in KINDS for k in kinds):
+        ap.error(f"--kinds: each of {', '.join(KINDS)}, got {args.kinds!r}")
     tasks = om.load_tasks("game24", "test", limit=args.tasks)
-    mcts, note = import_reasoners_mcts()
+    algorithm, note = import_reasoners_mcts()
     checked = None
-    sides = {"omrl-search": lambda: measure_omrl(tasks, args.simulations)}
-    if mcts is not None:
+    sides = {}
+    for kind in kinds:
+        tag = "" if kind == "mcts" else f" {kind}"
+        sides["omrl-search" + tag] = lambda kind=kind: measure_omrl(tasks, args.simulations, kind)
+        if algorithm is None:
+            continue
         import numpy as np
-        sides["llm-reasoners"] = lambda: measure_reasoners(mcts, tasks, args.simulations, 3, np.mean)
-        sides["llm-reasoners py-mean"] = lambda: measure_reasoners(
-            mcts, tasks, args.simulations, 3, python_mean)
-        sides["llm-reasoners + agent hooks"] = lambda: measure_reasoners(
-            mcts, tasks, args.simulations, 3, np.mean, agent=True)
-        sides["llm-reasoners + agent, py-mean"] = lambda: measure_reasoners(
-            mcts, tasks, args.simulations, 3, python_mean, agent=True)
+        sides["llm-reasoners" + tag] = lambda kind=kind: measure_reasoners(
+            algorithm, tasks, args.simulations, 3, np.mean, kind=kind)
+        if kind == "mcts":
+            sides["llm-reasoners py-mean"] = lambda: measure_reasoners(
+                algorithm, tasks, args.simulations, 3, python_mean)
+            sides["llm-reasoners + agent hooks"] = lambda: measure_reasoners(
+                algorithm, tasks, args.simulations, 3, np.mean, agent=True)
+            sides["llm-reasoners + agent, py-mean"] = lambda: measure_reasoners(
+                algorithm, tasks, args.simulations, 3, python_mean, agent=True)
+        else:
+            sides[f"llm-reasoners + agent hooks {kind}"] = lambda kind=kind: measure_reasoners(
+                algorithm, tasks, args.simulations, 3, np.mean, agent=True, kind=kind)
+    if algorithm is not None and "mcts" in kinds:
         checked = check_prompts(tasks[:5])
     runs: dict[str, list[dict]] = {name: [] for name in sides}
     for _ in range(max(args.repeat, 1)):  # alternate the sides so they share the machine's state
         for name, fn in sides.items():
             runs[name].append(fn())
     rows = {name: min(rs, key=lambda r: r["cpu_s"]) for name, rs in runs.items()}
-    ours = rows["omrl-search"]["overhead_us_per_node"]
-    for r in rows.values():
+    for name, r in rows.items():  # each row against our row of the same workload
+        kind = next((k for k in KINDS[1:] if name.endswith(f" {k}")), "mcts")
+        ours = rows["omrl-search" + ("" if kind == "mcts" else f" {kind}")]["overhead_us_per_node"]
         r["overhead_ratio_to_omrl"] = round(r["overhead_us_per_node"] / ours, 1)
-    cols = ("nodes", "children_created", "simulations", "cpu_s", "us_per_node", "env_us_per_node",
-            "policy_us_per_node", "overhead_us_per_node", "overhead_us_per_child",
-            "overhead_us_per_simulation", "overhead_ratio_to_omrl")
-    print(f"Game24 MCTS, {args.tasks} tasks, {args.simulations} simulations, k=3, zero-cost policy, "
+    cols = ("nodes", "children_created", "simulations", "env_steps", "cpu_s", "us_per_node",
+            "env_us_per_node", "policy_us_per_node", "overhead_us_per_node", "overhead_us_per_child",
+            "overhead_us_per_env_step", "overhead_us_per_simulation", "overhead_ratio_to_omrl")
+    print(f"Game24, {args.tasks} tasks, {args.simulations} MCTS simulations, k=3, zero-cost policy, "
           f"fastest of {args.repeat} alternating runs (CPU time); "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.1f}, Python {platform.python_version()}")
-    if mcts is not None:
+    if checked is not None:
         print(f"agent hooks: prompts identical to the engine's for {checked} requests of "
               f"{min(len(tasks), 5)} tasks (messages and token ids)")
-    print(f"{'':32}" + "".join(f"{c:>{len(c) + 2}}" for c in cols))
+    print(f"{'':36}" + "".join(f"{c:>{len(c) + 2}}" for c in cols))
     for name, r in rows.items():
-        print(f"{name:32}" + "".join(f"{r[c]:>{len(c) + 2}}" for c in cols))
+        print(f"{name:36}" + "".join(f"{r.get(c, '-'):>{len(c) + 2}}" for c in cols))
     version = None
-    if mcts is None:
+    if algorithm is None:
         print(f"llm-reasoners side skipped ({note}): {INSTALL}")
     else:
         version = importlib.metadata.version("llm-reasoners")

@@ -39,6 +39,27 @@ class Parsed:
     error: str = ""  # non-empty when the completion is malformed
 
 
+def _parse_rendered(text: str) -> Parsed | None:
+    """:meth:`ReActFormat.parse` of a stripped completion in exactly the form
+    :meth:`ReActFormat.render` writes (``Think: <one line>`` then ``Act: <one line>``, no colon,
+    backtick, leading ``*`` or space in the action, no leading ``*`` in the thought), without
+    the regexes; None for any other text, which the regexes parse. It gives what they give
+    (tests/test_engine_speed_invariants.py compares the two on generated texts)."""
+    if not text.startswith("Think: "):
+        return None
+    cut = text.find("\n")
+    if cut < 0 or not text.startswith("\nAct: ", cut):
+        return None
+    action = text[cut + 6:]
+    if (not action or action[0].isspace() or action[0] == "*" or "\n" in action or ":" in action
+            or "`" in action):
+        return None
+    thought = text[7:cut].strip()
+    if thought.startswith("*"):
+        return None
+    return Parsed(thought, action)
+
+
 class ReActFormat:
     """``Think: ... / Act: ...`` prompting and parsing."""
 
@@ -81,6 +102,9 @@ class ReActFormat:
 
     def parse(self, completion: str, action_help: str = "") -> Parsed:
         text = completion.strip()
+        fast = _parse_rendered(text)
+        if fast is not None:
+            return fast
         act = _ACT.search(text)
         if act is None:
             return Parsed(text, "", self._error("no 'Act:' line", action_help))

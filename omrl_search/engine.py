@@ -30,12 +30,23 @@ runs past its search's ``seconds`` budget or ``lm_timeout`` (abandoned on its th
 error while the engine builds a tree's children (``MemoryError`` included) is a fault of that
 node or that search only; the others go on. Every search stops at ``max_nodes`` nodes and
 ``max_faults`` faults (stop reason ``cap:nodes=N`` / ``cap:faults=N``) whatever its budget.
+
+Cost per node (``benchmarks/engine_overhead*.py``, docs/scaling.md): almost every object a search
+makes (nodes, steps, snapshots, id lists) lives as long as its tree, so the cyclic garbage
+collector's passes over them find nothing; during :meth:`Engine.run` its thresholds are raised
+(:func:`fewer_collections`: young collections every 50,000 allocations, full ones rarely),
+restored after. Prompts are sorted by prefix only for policies that gain from it (not those
+that set ``shares_prefixes = False``), and request seeds hash the search's seed once.
 """
 from __future__ import annotations
 
+import dataclasses
+import gc
 import hashlib
+import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Sequence
 
 from .agent import ReActFormat, TurnEncoder
@@ -43,6 +54,7 @@ from .batching import (NOT_YET, SCHEDULES, BackgroundCall, Crashed, LMWait, Roun
                        WaitingRequests, call_policy, prompt_key, serve_scores, timeout, wait_staged,
                        well_formed)
 from .budget import Budget, BudgetExhausted
+from .constrain import Grammar
 from .env import Env, make_env
 from .env_driver import EnvDriver
 from .ops import AskOp, EvaluateOp, ExpandOp, Op, ScoreOp, SearchContext
@@ -89,7 +101,10 @@ class Engine:
         self.constrain = constrain
         self._mode, self._mode_note = policy_mode(constrain, policy)
         self.lm_timeout, self.max_nodes, self.max_faults = lm_timeout, max_nodes, max_faults
-        self.schedule, self.prefix_order = schedule, bool(prefix_order)
+        # a policy that gains nothing from shared prefixes (``shares_prefixes = False``: scripted,
+        # no KV cache) is not worth sorting prompts for; results never depend on the order
+        self.schedule = schedule
+        self.prefix_order = bool(prefix_order) and bool(getattr(policy, "shares_prefixes", True))
         self.policy = policy
         self.reward_model = reward_model
         self.format = agent_format or ReActFormat()
@@ -108,7 +123,8 @@ class Engine:
         Up to ``concurrency`` trees are searched together (default: all); when one finishes
         the next task starts, so the policy's batches stay full.
         """
-        return _Run(self, strategy, tasks, budget or Budget(), concurrency, on_result).loop()
+        with fewer_collections():
+            return _Run(self, strategy, tasks, budget or Budget(), concurrency, on_result).loop()
 
     @property
     def answers_prompts(self) -> bool:
@@ -295,7 +311,7 @@ class Engine:
         s = self.sampling
         params = SamplingParams(s.temperature if temperature is None else temperature, s.top_p,
                                 s.max_tokens, s.stop or ctx.prompts.stop, k,
-                                _mix(ctx.seed, node.id, ctx.calls))
+                                ctx.seeds.step(node.id, ctx.calls))
         meta = {"task": ctx.task, "snapshot": node.snapshot, "env": ctx.task.env}
         return context_ids, GenRequest(messages, params, prompt_ids, meta)
 
@@ -307,7 +323,7 @@ class Engine:
         s = self.sampling
         params = SamplingParams(s.temperature if temperature is None else temperature, s.top_p,
                                 max_tokens or s.max_tokens, stop, n,
-                                _mix(ctx.seed, "ask", node.id, ctx.calls))
+                                ctx.seeds.ask(node.id, ctx.calls))
         meta = {"task": ctx.task, "snapshot": node.snapshot, "env": ctx.task.env, "ask": True}
         return GenRequest(messages, params, prompt_ids, meta)
 
@@ -337,7 +353,8 @@ class Engine:
                 node.status = EXPANDED
             if gens is not None and ctx.constraint is not None:
                 ctx.constraint.count(gens, grammar)
-            out.append([] if gens is None else self._children(ctx, node, context_ids, gens, op.dedup))
+            out.append([] if gens is None else
+                       self._children(ctx, node, context_ids, gens, op.dedup, grammar))
         return out
 
     @staticmethod
@@ -356,15 +373,20 @@ class Engine:
 
     @staticmethod
     def _children(ctx: SearchContext, node: Node, context_ids: list[int] | None,
-                  gens: list[Generation], dedup: bool) -> list[Node]:
+                  gens: list[Generation], dedup: bool, grammar: Grammar | None = None) -> list[Node]:
         """``node``'s children from ``gens``: each completion parsed by the agent format and,
         if well formed, stepped in the env; with ``dedup`` a child repeating a sibling's state
-        is pruned and left out."""
+        is pruned and left out. A completion generated under ``grammar`` (its ``constraint``
+        not "none") records it in ``Step.grammar`` as a plain dict, for trainers to rebuild
+        the masks."""
         seen = {ctx.tree.nodes[c].state_key for c in node.children} if dedup else None
         prompts, envs = ctx.prompts, ctx.envs
+        fields = grammar_fields(grammar) if grammar is not None else None
         kids = []
         for gen in gens:
             step, error = prompts.parse(gen, context_ids)
+            if fields is not None and gen.constraint != "none":
+                step.grammar = dict(fields)
             kids.append(envs.invalid(node, step, error) if error else envs.step(node, step))
         return kids if seen is None else unique_states(kids, seen, keep_failed=True)
 
@@ -590,3 +612,40 @@ def _mix(*parts: Any) -> int:
     """A deterministic 63-bit seed from parts (``hash`` of str is salted per process)."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 1
+
+
+def grammar_fields(grammar: Grammar) -> dict[str, Any]:
+    """A grammar's fields as a plain dict (``Step.grammar``): kind, rules, source, think, act;
+    ``Grammar(**fields)`` rebuilds it."""
+    return {f.name: getattr(grammar, f.name) for f in dataclasses.fields(grammar)}
+
+
+_gc_lock = threading.Lock()
+_gc_depth = 0
+_gc_saved: tuple[int, int, int] | None = None
+
+
+@contextmanager
+def fewer_collections(young: int = 50_000, full_every: int = 1_000):
+    """Raise the garbage collector's thresholds for the block (young collections every
+    ``young`` allocations, a full one every ``full_every`` middle ones at most); restored
+    when the outermost block ends. A search's objects live as long as its tree, so the
+    collector's passes over them find nothing; with the default thresholds they cost 10-20%
+    of the engine's time. Garbage cycles are still collected, just in larger batches. A
+    collector that is off, or set higher already, is left as it is."""
+    global _gc_depth, _gc_saved
+    with _gc_lock:
+        if _gc_depth == 0:
+            _gc_saved = gc.get_threshold()
+            t0, t1, t2 = _gc_saved
+            if gc.isenabled() and t0 > 0:
+                gc.set_threshold(max(t0, young), t1, max(t2, full_every))
+        _gc_depth += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_depth -= 1
+            if _gc_depth == 0 and _gc_saved is not None:
+                gc.set_threshold(*_gc_saved)
+                _gc_saved = None

@@ -1,10 +1,12 @@
-"""Monte-Carlo tree search with PUCT (Silver et al., Nature 2017, AlphaGo Zero), as used for LM
-agents by LATS (Zhou et al., ICML 2024, "Language Agent Tree Search") and rStar-Math (Guan et
-al. 2025), batched over many leaves per round with virtual loss.
+"""Monte-Carlo tree search with PUCT (Silver et al., Nature 2017, AlphaGo Zero) or UCT, as used
+for LM agents by LATS (Zhou et al., ICML 2024, "Language Agent Tree Search"), rStar (Qi et al.
+2024) and rStar-Math (Guan et al. 2025), batched over many leaves per round with virtual loss.
 
     repeat until the budget or `simulations` run out:
         select up to `leaves` leaves, each by descending along the PUCT argmax
             Q(c) + c_puct * P(c) * sqrt(N(parent)) / (1 + N(c)),
+        or (rule=uct, LATS and rStar) an unvisited child first, else the UCT argmax
+            Q(c) + c_puct * sqrt(ln N(parent) / N(c)),
         adding a virtual loss along the path so the next descent goes elsewhere
         expand all selected leaves in ONE LM call, k children each
             (priors P: softmax of the children's logprobs, or uniform;
@@ -14,7 +16,9 @@ al. 2025), batched over many leaves per round with virtual loss.
              actions scored in one batched call instead of sampling k)
         evaluate: every new child (PRM, heuristic, LM, logprob), or the most probable new
             child by a rollout to a terminal, or (1 - lam) * PRM + lam * rollout
+        (a finished leaf chosen again is not valued again: its first value is backed up)
         remove the virtual losses and back the values up to the root
+        (stop_on_success, LATS) stop once a valued node or its rollout ends solved
         (reflect) after a failed terminal, write a LATS-style reflection for later prompts
     answer: follow the most visited (final=visits) or best-valued (final=value) children
 
@@ -23,8 +27,9 @@ Knobs: ``simulations``, ``leaves``, ``k``, ``c_puct``, ``priors`` (logprob | uni
 ``value``
 (auto | rm | rollout | mix | heuristic | lm | logprob; auto = rm with a reward model, else the
 env heuristic, else rollout), ``lam``, ``widen`` (0 = off), ``reflect``, ``final``,
-``temperature``. Rollouts, and reflections on failures, consult the env's success check: such
-results are flagged ``verifier_in_loop``.
+``temperature``, ``rule`` (puct | uct), ``stop_on_success``. Rollouts, reflections on failures
+and ``stop_on_success`` consult the env's success check: such results are flagged
+``verifier_in_loop``. How this reads against LATS and rStar: docs/strategies.md.
 """
 from __future__ import annotations
 
@@ -61,12 +66,16 @@ class MCTS(Strategy):
     reflect: bool = False
     final: str = "visits"
     temperature: float | None = None
+    rule: str = "puct"
+    stop_on_success: bool = False
 
     def __post_init__(self) -> None:
         if self.simulations < 1 or self.leaves < 1 or self.k < 1:
             raise ValueError("simulations, leaves and k must be >= 1")
         if self.priors not in ("logprob", "uniform", "policy") or self.final not in ("visits", "value"):
             raise ValueError("priors must be logprob|uniform|policy and final visits|value")
+        if self.rule not in ("puct", "uct"):
+            raise ValueError(f"rule must be puct or uct, got {self.rule!r}")
         if self.max_actions < 1:
             raise ValueError(f"max_actions must be >= 1, got {self.max_actions}")
         if not 0.0 <= self.lam <= 1.0 or self.widen < 0 or self.c_puct < 0:
@@ -90,15 +99,20 @@ class MCTS(Strategy):
         if self.priors == "policy" and not ctx.can_score:
             raise ValueError(f"mcts:priors=policy needs a policy that scores completions "
                              f"(Policy.score); {ctx.engine.policy.name!r} does not")
-        s.update(kids={}, closed=set(), dead=set(), sims=0, reflections=[], prior={})
+        s.update(kids={}, closed=set(), dead=set(), sims=0, reflections=[], prior={}, finished={})
+        finished = s["finished"]  # the value of each finished leaf, by id: valued once
         while s["sims"] < self.simulations:
             batch, paths = self._select_batch(ctx)
             if not batch:
                 return
+            grow = [leaf for leaf in batch if not leaf.terminal]
             try:
-                grow = [leaf for leaf in batch if not leaf.terminal]
-                notes = [self._note(ctx)] * len(grow) if s["reflections"] else None
-                kids = await self._grow(ctx, grow, notes)
+                if grow:
+                    notes = [self._note(ctx)] * len(grow) if s["reflections"] else None
+                    kids = await self._grow(ctx, grow, notes)
+                else:  # only finished leaves: no LM call, but the budget still ends the search
+                    ctx.check()
+                    kids = []
             finally:
                 for path in paths:  # remove the virtual losses
                     for n in path:
@@ -114,12 +128,32 @@ class MCTS(Strategy):
                 elif not live:
                     self._kill(ctx, leaf)
                     dead.append(leaf)  # a dead end: backed up as a 0
-            for t, v in zip(targets, await value(ctx, targets)):
-                self._backup(ctx, t, v)
-            for t in dead:
-                self._backup(ctx, t, 0.0)
-            if self.reflect:
-                await self._reflect(ctx, targets)
+            fresh = [t for t in targets if t.id not in finished]  # a finished leaf chosen again
+            got = {}                                              # is backed up, not re-valued
+            if fresh:
+                for t, v in zip(fresh, await value(ctx, fresh)):
+                    got[t.id] = v
+                    if t.terminal:
+                        finished[t.id] = v
+            self._backup(ctx, [(t, got[t.id] if t.id in got else finished[t.id])
+                               for t in targets if t.id in got or t.id in finished]
+                         + [(t, 0.0) for t in dead])
+            if self.stop_on_success and self._solved(ctx, fresh):
+                return
+            if self.reflect and fresh:
+                await self._reflect(ctx, fresh)
+
+    @staticmethod
+    def _solved(ctx, fresh) -> bool:
+        """LATS's stop: a node valued this round, or the end of its rollout, is a solved
+        terminal (the env's success check: flags the result); remembered for :meth:`select`."""
+        rollout = ctx.scratch.get("rollout", {})
+        for t in fresh:
+            end = ctx.tree.nodes[rollout.get(t.id, t.id)]
+            if end.terminal and end.status != FAILED and ctx.verify(end):
+                ctx.scratch["solved"] = end
+                return True
+        return False
 
     async def _grow(self, ctx, grow, notes):
         """New children of each leaf: k samples, or (priors=policy) one per valid action of a
@@ -165,6 +199,7 @@ class MCTS(Strategy):
         branch is a dead end. (The hot loop of a search: locals only, no calls per child.)"""
         kids_of, dead, root = ctx.scratch["kids"], ctx.scratch["dead"], ctx.tree.nodes[0]
         c_puct, sqrt, widens = self.c_puct, math.sqrt, self._widens if self.widen else None
+        uct, log = self.rule == "uct", math.log
         while root.id not in dead:
             node, path = root, [root]
             while not node.terminal and not (widens and widens(ctx, node)):
@@ -172,14 +207,25 @@ class MCTS(Strategy):
                 if not kids:  # None: not expanded yet, the leaf; []: a dead end
                     break
                 visits = node.visits
-                explore = c_puct * sqrt(visits or 1)
-                fpu = node.value_sum / visits if visits else 0.0
                 best, top = None, -math.inf
-                for c in kids:
-                    n = c.visits
-                    score = (c.value_sum / n if n else fpu) + explore * c.prior / (1 + n)
-                    if score > top:
-                        best, top = c, score
+                if uct:  # UCT (LATS, rStar): an unvisited child first, in order
+                    ln = log(visits or 1)
+                    for c in kids:
+                        n = c.visits
+                        if not n:
+                            best = c
+                            break
+                        score = c.value_sum / n + c_puct * sqrt(ln / n)
+                        if score > top:
+                            best, top = c, score
+                else:
+                    explore = c_puct * sqrt(visits or 1)
+                    fpu = node.value_sum / visits if visits else 0.0
+                    for c in kids:
+                        n = c.visits
+                        score = (c.value_sum / n if n else fpu) + explore * c.prior / (1 + n)
+                        if score > top:
+                            best, top = c, score
                 node = best
                 path.append(node)
             if kids_of.get(node.id) == [] and not (widens and widens(ctx, node)):
@@ -220,15 +266,31 @@ class MCTS(Strategy):
         return kids
 
     # --- backup and reflection -----------------------------------------------------------------
-    def _backup(self, ctx, node, v: float) -> None:
-        ctx.scratch["sims"] += 1
-        nodes = ctx.tree.nodes
-        while True:  # up the tree edges to the root
+    def _backup(self, ctx, pairs) -> None:
+        """Back ``(node, value)`` pairs up to the root, in order. A run of siblings shares one
+        walk above their parent, each ancestor adding their values in the same order as one
+        walk per node would (so the sums, and the tree, are the same to the last bit)."""
+        ctx.scratch["sims"] += len(pairs)
+        nodes, i, end = ctx.tree.nodes, 0, len(pairs)
+        while i < end:
+            node, v = pairs[i]
             node.visits += 1
             node.value_sum += v
-            if node.parent is None:
-                return
-            node = nodes[node.parent]
+            parent, values = node.parent, [v]
+            i += 1
+            while i < end and parent is not None and pairs[i][0].parent == parent:
+                node, v = pairs[i]
+                node.visits += 1
+                node.value_sum += v
+                values.append(v)
+                i += 1
+            k = len(values)
+            while parent is not None:  # up the tree edges to the root
+                node = nodes[parent]
+                node.visits += k
+                for v in values:
+                    node.value_sum += v
+                parent = node.parent
 
     def _note(self, ctx) -> str:
         return "Reflections on earlier failed attempts:\n" + "\n".join(
@@ -254,6 +316,8 @@ class MCTS(Strategy):
 
     # --- the answer ----------------------------------------------------------------------------
     def select(self, ctx):
+        if ctx.scratch.get("solved") is not None:
+            return ctx.scratch["solved"]
         key = ((lambda c: (c.visits, c.value)) if self.final == "visits"
                else (lambda c: (c.value, c.visits)))
         node, dead = ctx.root, ctx.scratch.get("dead", ())

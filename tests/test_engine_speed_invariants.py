@@ -99,3 +99,127 @@ def test_value_sources_reduce_each_path_by_agg(agg):
     want = [step_prob(n) if agg == "last" else
             aggregate([step_prob(m) for m in result.tree.path(n)[1:]], agg) for n in nodes]
     assert done.value.value == want
+
+
+# --- the engine's per-node fast paths (issue 18) --------------------------------------------------
+def test_rendered_completions_parse_as_the_regexes_parse_them():
+    """``ReActFormat.parse`` skips its regexes for text in the exact rendered form; on texts
+    built from the pieces that trip them up, both routes give the same Parsed."""
+    import omrl_search.agent as agent
+
+    fmt, rng, fast = agent.ReActFormat(), random.Random(0), 0
+    pieces = ["Think", "Act", ":", " ", "\n", "*", "`", "x", "3 + 4", "Observation", "think:",
+              "\t", "Action", "\r", "**", "\u00a0", "Act: ", "```"]
+
+    def words(n):
+        return "".join(rng.choice(pieces) for _ in range(rng.randrange(n)))
+
+    for _ in range(30_000):
+        text = words(8)
+        if rng.random() < 0.7:
+            text = "Think: " + words(4) + "\nAct: " + text if rng.random() < 0.7 else "Think: " + text
+        plain = agent._parse_rendered
+        agent._parse_rendered = lambda _text: None
+        try:
+            want = fmt.parse(text, "help")
+        finally:
+            agent._parse_rendered = plain
+        fast += plain(text.strip()) is not None
+        assert fmt.parse(text, "help") == want, repr(text)
+    assert fast > 1000  # the fast route was really taken
+    assert agent._parse_rendered("Think: try.\nAct: 3 + 4") == agent.Parsed("try.", "3 + 4")
+
+
+def test_request_seeds_are_the_plain_mix():
+    from omrl_search.engine import _mix
+    from omrl_search.ops import Seeds
+
+    rng = random.Random(1)
+    for _ in range(500):
+        seed, node, call = rng.getrandbits(63), rng.randrange(10**6), rng.randrange(10**6)
+        seeds = Seeds(seed)
+        assert seeds.step(node, call) == _mix(seed, node, call)
+        assert seeds.ask(node, call) == _mix(seed, "ask", node, call)
+
+
+def test_collector_thresholds_are_raised_during_a_run_and_restored():
+    import gc
+
+    from omrl_search.engine import fewer_collections
+
+    before = gc.get_threshold()
+    with fewer_collections():
+        inside = gc.get_threshold()
+        with fewer_collections():
+            assert gc.get_threshold() == inside
+        assert gc.get_threshold() == inside
+    assert gc.get_threshold() == before
+    assert inside[0] >= 50_000 or not gc.isenabled()
+    seen = []
+    policy = Recording()
+    generate = policy.generate
+    policy.generate = lambda reqs: (seen.append(gc.get_threshold()), generate(reqs))[1]
+    om.search_many(om.load_tasks("game24", "test", limit=2), strategy="react", policy=policy)
+    assert seen and all(t[0] >= 50_000 for t in seen) and gc.get_threshold() == before
+
+
+def test_prompts_are_sorted_only_for_policies_that_share_prefixes():
+    from omrl_search.engine import Engine
+
+    class NoPrefix(Recording):
+        shares_prefixes = False
+
+    assert Engine(Recording()).prefix_order and not Engine(NoPrefix()).prefix_order
+    assert not Engine(Recording(), prefix_order=False).prefix_order
+
+
+def test_mcts_backup_of_sibling_runs_equals_one_walk_per_node():
+    """The batched backup adds each value at each ancestor in the same order as one walk per
+    node, so the floating-point sums are equal to the last bit."""
+    from strategies.mcts import MCTS
+
+    rng = random.Random(2)
+    results = om.search_many(om.load_tasks("game24", "test", limit=3), policy="scripted:oracle:p=0.5",
+                             strategy="beam:width=3,k=3")
+    for r in results:
+        nodes = r.tree.nodes
+        pairs = [(rng.choice(nodes), rng.random() / 3) for _ in range(40)]
+        pairs.sort(key=lambda p: p[0].parent if p[0].parent is not None else -1)  # sibling runs
+        for n in nodes:
+            n.visits, n.value_sum = 0, 0.0
+        MCTS()._backup(SimpleNamespace(scratch={"sims": 0}, tree=r.tree), pairs)
+        got = [(n.visits, n.value_sum) for n in nodes]
+        for n in nodes:
+            n.visits, n.value_sum = 0, 0.0
+        for node, v in pairs:
+            while node is not None:
+                node.visits += 1
+                node.value_sum += v
+                node = nodes[node.parent] if node.parent is not None else None
+        assert got == [(n.visits, n.value_sum) for n in nodes]
+
+
+def test_mcts_values_a_finished_leaf_once():
+    """A finished leaf chosen again is backed up with its first value, not valued again."""
+    from omrl_search.engine import Engine
+    from omrl_search.backends.scripted import OraclePolicy
+    from strategies.mcts import MCTS
+
+    class Counting:
+        name = "counting"
+
+        def __init__(self):
+            self.asked = []
+
+        async def __call__(self, ctx, nodes):
+            self.asked += [(ctx.task.task_id, n.id) for n in nodes]
+            return [1.0 if n.success else 0.25 for n in nodes]
+
+    value = Counting()
+    results = Engine(OraclePolicy(0.5), seed=0).run(
+        MCTS(simulations=150, leaves=3, k=2, value=value), om.load_tasks("game24", "test", limit=4))
+    assert len(value.asked) == len(set(value.asked))  # no node valued twice
+    for r in results:
+        finished = [n for n in r.tree.nodes if n.terminal and n.visits > 1]
+        assert finished  # chosen again (backed up more than once)...
+        assert r.tree.root.visits == sum(r.tree.nodes[c].visits for c in r.tree.root.children)

@@ -1,0 +1,72 @@
+"""MCTS options read against LATS and rStar (docs/strategies.md): UCT selection and LATS's stop
+once a rollout or a valued node ends solved."""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+import omrl_search as om
+from omrl_search.tree import Node
+from strategies.mcts import MCTS
+
+TASKS = om.load_tasks("game24", "test", limit=6)
+
+
+def _fan(children):
+    """A root with ``children`` as ``(visits, value_sum)``, each prior 1/n, as a search's ctx."""
+    root = Node(0, None, 0, "root", visits=10, value_sum=5.0)
+    kids = [Node(i + 1, 0, 1, f"c{i}", visits=v, value_sum=q, prior=1 / len(children))
+            for i, (v, q) in enumerate(children)]
+    tree = SimpleNamespace(nodes=[root, *kids])
+    return SimpleNamespace(tree=tree, scratch={"kids": {0: kids}, "dead": set()}), kids
+
+
+@pytest.mark.parametrize("rule,want", [("uct", 1), ("puct", 0)])
+def test_selection_rule(rule, want):
+    """UCT: Q + c * sqrt(ln N / n) picks the rarely tried child (1.52 against 1.48 and 1.51);
+    PUCT with equal priors picks the best mean (0.98 against 0.53 and 0.96)."""
+    ctx, kids = _fan([(5, 4.0), (1, 0.0), (4, 3.0)])
+    leaf, path = MCTS(rule=rule)._descend(ctx)
+    assert leaf is kids[want] and path == [ctx.tree.nodes[0], kids[want]]
+    ucts = [q / v + math.sqrt(math.log(10) / v) for v, q in [(5, 4.0), (1, 0.0), (4, 3.0)]]
+    assert max(range(3), key=ucts.__getitem__) == 1
+
+
+def test_uct_tries_an_unvisited_child_first():
+    ctx, kids = _fan([(5, 5.0), (3, 3.0), (0, 0.0), (0, 0.0)])
+    leaf, _ = MCTS(rule="uct")._descend(ctx)
+    assert leaf is kids[2]  # the first unvisited one, whatever the others' values
+
+
+def test_rule_is_checked():
+    with pytest.raises(ValueError, match="rule must be puct or uct"):
+        MCTS(rule="ucb")
+
+
+def test_uct_searches_run_and_are_deterministic():
+    spec = "mcts:rule=uct,simulations=40,leaves=2,k=2,value=rollout"
+    a = om.search_many(TASKS, strategy=spec, policy="scripted:oracle:p=0.4", seed=3)
+    b = om.search_many(TASKS, strategy=spec, policy="scripted:oracle:p=0.4", seed=3)
+    assert [r.to_dict()["tree"] for r in a] == [r.to_dict()["tree"] for r in b]
+    puct = om.search_many(TASKS, strategy=spec.replace("rule=uct", "rule=puct"),
+                          policy="scripted:oracle:p=0.4", seed=3)
+    assert [r.to_dict()["tree"] for r in a] != [r.to_dict()["tree"] for r in puct]
+
+
+def test_stop_on_success_ends_at_the_first_solved_rollout():
+    spec = "mcts:simulations=200,leaves=2,k=2,value=rollout"
+    full = om.search_many(TASKS, strategy=spec, policy="scripted:oracle:p=0.2", seed=1)
+    early = om.search_many(TASKS, strategy=spec + ",stop_on_success=true",
+                           policy="scripted:oracle:p=0.2", seed=1)
+    stopped = 0
+    for f, e in zip(full, early):
+        assert e.verifier_in_loop
+        if e.success:  # the answer is the solved terminal it stopped at
+            best = e.tree.nodes[e.best]
+            assert best.terminal and best.success
+            stopped += e.tree.root.visits < f.tree.root.visits
+        else:  # never solved: it ran its simulations like the full search
+            assert e.tree.root.visits == f.tree.root.visits
+    assert stopped  # a solved search really stopped early
