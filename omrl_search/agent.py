@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from .constrain import Grammar
 from .policy import ChatTokenizer
 from .prompts import Prompts
+from .specs import SpecError
 from .types import Task
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -120,9 +121,11 @@ class ReActFormat:
             return Parsed(thought, "", self._error("the 'Act:' line is empty", action_help))
         return Parsed(thought, action)
 
-    @staticmethod
-    def _error(what: str, action_help: str) -> str:
-        msg = f"Invalid format: {what}. Answer with 'Think: <reasoning>' then 'Act: <action>'."
+    #: what the invalid-format observation asks for
+    answer_with = "Answer with 'Think: <reasoning>' then 'Act: <action>'."
+
+    def _error(self, what: str, action_help: str) -> str:
+        msg = f"Invalid format: {what}. {self.answer_with}"
         return f"{msg}\n{action_help}" if action_help else msg
 
     def render(self, thought: str, action: str) -> str:
@@ -143,7 +146,39 @@ class ReActFormat:
         return Grammar.one_of(list(space or ()), source, **frame)
 
 
-AGENT_FORMATS = {"react": ReActFormat}
+class ActFormat(ReActFormat):
+    """``Act: <action>`` alone, no thought line. For small models whose thoughts are noise: every
+    completion token goes to the action, and a constrained step is a handful of tokens (the
+    thought line is free text that an untrained 135M model runs on until ``max_tokens``)."""
+
+    name = "act"
+    think = None
+    act = "Act: "
+    answer_with = "Answer with one line 'Act: <action>'."
+
+    def __init__(self, system: str | None = None):
+        super().__init__(system or (
+            "You are an agent that solves tasks step by step in an environment. "
+            "In every turn, write one line 'Act: <one action>'. "
+            "The environment answers each action with an observation."))
+
+    def render(self, thought: str, action: str) -> str:
+        return f"Act: {action}"
+
+
+AGENT_FORMATS = {"react": ReActFormat, "act": ActFormat}
+
+
+def make_format(name: "str | ReActFormat | None") -> ReActFormat:
+    """The agent format named ``name`` (``react`` | ``act``), or ``name`` itself if already one."""
+    if name is None:
+        return ReActFormat()
+    if isinstance(name, ReActFormat):
+        return name
+    try:
+        return AGENT_FORMATS[name]()
+    except KeyError:
+        raise SpecError(f"unknown agent format {name!r} (known: {', '.join(AGENT_FORMATS)})") from None
 
 
 class TurnEncoder:

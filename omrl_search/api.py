@@ -6,6 +6,7 @@ from typing import Any, Callable, Iterable, Sequence
 from .budget import Budget
 from .engine import DEFAULT_MAX_NODES
 from .env import Env, env_class
+from .agent import make_format
 from .executors import Executor
 from .policy import Policy
 from .result import SearchResult, constraint_totals
@@ -37,7 +38,7 @@ def search_many(tasks: Sequence[Task], *, strategy: "str | Strategy" = "react",
                 executor: "str | Executor" = "local", ray_address: str | None = None,
                 schedule: str = "continuous", prefix_order: bool = True,
                 policy_weights: tuple[Any, Any] | None = None, constrain: str = "auto",
-                lm_timeout: float | None = None,
+                agent: str = "react", lm_timeout: float | None = None,
                 max_nodes: int | None = DEFAULT_MAX_NODES) -> list[SearchResult]:
     """Search every task with one strategy, batching all trees' LM and reward-model calls.
 
@@ -54,6 +55,8 @@ def search_many(tasks: Sequence[Task], *, strategy: "str | Strategy" = "react",
     changes a seeded search's trees, only how busy the LM is kept.
     ``policy_weights=(version, state_dict)`` (Ray only): the actors' ``hf:`` policy searches with
     these weights (pushed once per version; online GRPO sends its live weights every round).
+    ``agent``: the agent format (``react``: a ``Think:`` line then ``Act:``; ``act``: the
+    ``Act:`` line alone, see :mod:`omrl_search.agent`).
     ``constrain`` (``auto`` | ``actions`` | ``format`` | ``none``): the grammar each step is
     generated under (docs/design.md §4: the env's action language where it has one under
     ``auto``); each result records what was in force. ``lm_timeout``: seconds one LM call may
@@ -68,7 +71,8 @@ def search_many(tasks: Sequence[Task], *, strategy: "str | Strategy" = "react",
                         on_result=on_result, policy_weights=policy_weights, seed=seed,
                         max_depth=max_depth, sampling=sampling, concurrency=concurrency,
                         env_factory=env_factory, schedule=schedule, prefix_order=prefix_order,
-                        constrain=constrain, lm_timeout=lm_timeout, max_nodes=max_nodes)
+                        constrain=constrain, agent=make_format(agent).name, lm_timeout=lm_timeout,
+                        max_nodes=max_nodes)
 
 
 def parse_budget(spec: "str | dict | Budget | None") -> Budget:

@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
                     temperature=args.temperature, out=args.out, save_trees=args.save_trees,
                     progress=not args.no_progress, executor=executor_from_args(args),
                     concurrency=args.concurrency, max_depth=args.max_depth, source=source,
-                    constrain=args.constrain)
+                    constrain=args.constrain, agent=args.agent)
     flat = {f"{n}@{b}": s for n, per in summary["strategies"].items() for b, s in per.items()}
     print(format_table(flat))
     out = Path(args.out)
@@ -105,7 +105,7 @@ def bench(tasks: Sequence[Task], strategies: "str | Sequence[str | Strategy]", b
           save_trees: bool = False, progress: bool = True, executor: "str | Executor" = "local",
           ray_address: str | None = None, concurrency: int | None = None,
           max_depth: int | None = None, source: str | None = None,
-          constrain: str = "auto") -> dict[str, Any]:
+          constrain: str = "auto", agent: str = "react") -> dict[str, Any]:
     """Every strategy on ``tasks`` at every budget; the summary (``{"config", "strategies"}``,
     per strategy and budget the fields of ``omrl search``'s summary: success rate with its Wilson
     95% interval and, for every strategy after the first, ``paired``: an exact McNemar test
@@ -121,7 +121,7 @@ def bench(tasks: Sequence[Task], strategies: "str | Sequence[str | Strategy]", b
     in ``OUT.partial``. ``source`` names where the tasks came from in the summary (default:
     their splits). ``constrain``: the structured decoding of every step (``auto`` | ``actions`` |
     ``format`` | ``none``, see :func:`~omrl_search.api.search_many`), kept in the config with
-    what was in force per row (``constraint``).
+    what was in force per row (``constraint``). ``agent``: the agent format (``react``, ``act``).
     Every argument, ``out`` included, is checked before any search runs (a bad
     one raises SpecError, UsageError, PolicyError or ValueError with one line).
     """
@@ -149,11 +149,13 @@ def bench(tasks: Sequence[Task], strategies: "str | Sequence[str | Strategy]", b
         pol = where.build(make_policy, policy)
         rows = _run_all(tasks, strats, kind, limits, od, save_trees, progress, policy=pol,
                         reward_model=rm, seed=seed, max_depth=max_depth, sampling=sampling,
-                        concurrency=concurrency, executor=where, constrain=constrain)
+                        concurrency=concurrency, executor=where, constrain=constrain,
+                        agent=agent)
         env = tasks[0].env
         config = {"env": env, "split": source or ",".join(sorted({t.split for t in tasks})),
                   "tasks": len(tasks), "policy": _spec_of(policy), "reward_model": _spec_of(reward_model),
-                  "budget_kind": kind, "budgets": limits, "seed": seed, "constrain": constrain}
+                  "budget_kind": kind, "budgets": limits, "seed": seed, "constrain": constrain,
+                  "agent": agent}
         summary = {"config": config, "strategies": rows}
         if od is not None:
             (od.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

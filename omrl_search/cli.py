@@ -26,6 +26,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
+from .agent import AGENT_FORMATS
 from .api import load_tasks, parse_budget, search_many, summarize
 from .env import EnvError, TaskFileError, env_class, env_server_factory, list_envs
 from .executors import Executor, parse_executor
@@ -120,6 +121,9 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
                    help="structured decoding of each step: auto (the env's action language where it "
                         "has one, else the Think/Act frame; recorded when a backend cannot), actions, "
                         "format or none (default auto)")
+    p.add_argument("--agent", choices=sorted(AGENT_FORMATS), default="react",
+                   help="agent format: react ('Think:' line then 'Act:') or act (the 'Act:' line "
+                        "alone: no free-text thought, for small untrained models; default react)")
     add_executor_args(p)
     p.add_argument("--no-progress", action="store_true")
 
@@ -204,7 +208,7 @@ def _search(args: argparse.Namespace) -> int:
                                     budget=budget, seed=args.seed, max_depth=args.max_depth,
                                     sampling=sampling_from_args(args), concurrency=args.concurrency,
                                     progress=not args.no_progress, env_factory=env_factory,
-                                    executor=executor, constrain=args.constrain)
+                                    executor=executor, constrain=args.constrain, agent=args.agent)
         print(format_table(summary))
     if args.out:
         print(f"wrote {Path(args.out) / 'results.jsonl'} and {Path(args.out) / 'summary.json'}")

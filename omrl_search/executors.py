@@ -50,7 +50,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
-from .agent import ReActFormat
+from .agent import ReActFormat, make_format
 from .budget import Budget
 from .engine import DEFAULT_MAX_FAULTS, DEFAULT_MAX_NODES, Engine
 from .env import Env, make_env
@@ -113,7 +113,7 @@ class Executor:
                policy_weights: tuple[Any, Any] | None = None, **search_kwargs: Any) -> list[SearchResult]:
         """Search ``tasks`` here or on Ray; ``search_kwargs`` are :func:`search_here`'s (seed,
         max_depth, sampling, concurrency, env_factory, schedule, prefix_order, constrain,
-        lm_timeout, max_nodes, max_faults)."""
+        agent, lm_timeout, max_nodes, max_faults)."""
         if self.kind == "ray":
             return search_on_ray(tasks, options=self.options, ray_address=self.ray_address,
                                  strategy=strategy, policy=policy, reward_model=reward_model,
@@ -131,15 +131,17 @@ def search_here(tasks: Sequence[Task], *, strategy: Strategy, policy: Any, rewar
                 sampling: SamplingParams | None = None, concurrency: int | None = None,
                 progress: bool = False, on_result: Callable[[SearchResult], None] | None = None,
                 env_factory: Callable[[str], Env] | None = None, schedule: str = "continuous",
-                prefix_order: bool = True, constrain: str = "auto", lm_timeout: float | None = None,
+                prefix_order: bool = True, constrain: str = "auto", agent: "str | ReActFormat" = "react",
+                lm_timeout: float | None = None,
                 max_nodes: int | None = DEFAULT_MAX_NODES,
                 max_faults: int | None = DEFAULT_MAX_FAULTS) -> list[SearchResult]:
     """The in-process search (what every Ray actor runs on its share too): one engine, every
     tree's LM and reward-model calls batched. ``policy``/``reward_model``: objects or specs.
+    ``agent``: the agent format's name (``react``, ``act``; :mod:`omrl_search.agent`).
     ``constrain``, ``lm_timeout``, ``max_nodes``, ``max_faults``: see
     :class:`~omrl_search.engine.Engine`."""
     engine = Engine(make_policy(policy), reward_model=make_reward_model(reward_model),
-                    agent_format=ReActFormat(), sampling=sampling, max_depth=max_depth, seed=seed,
+                    agent_format=make_format(agent), sampling=sampling, max_depth=max_depth, seed=seed,
                     env_factory=env_factory or make_env, schedule=schedule,
                     prefix_order=prefix_order, constrain=constrain, lm_timeout=lm_timeout,
                     max_nodes=max_nodes, max_faults=max_faults)

@@ -120,3 +120,27 @@ def test_prompts_parse_a_completion_into_a_step():
     messages, context_ids, prompt_ids = prompts.step(tree.root, "a note")
     assert messages[-1]["content"].endswith("a note") and context_ids == prompt_ids
     assert prompts.messages(tree.root)[-1]["content"].endswith(tree.root.observation)  # cache unchanged
+
+
+def test_act_format_has_no_thought_line_and_is_selectable_by_name():
+    import pytest
+
+    import omrl_search as om
+    from omrl_search.agent import ActFormat, make_format
+    from omrl_search.constrain import check
+    from omrl_search.specs import SpecError
+
+    fmt = make_format("act")
+    assert isinstance(fmt, ActFormat) and fmt.think is None
+    assert fmt.render("ignored", "4 * 6") == "Act: 4 * 6"
+    assert fmt.parse("Act: 4 * 6") .action == "4 * 6"
+    assert "one line 'Act: <action>'" in fmt.parse("4 * 6").error
+    g = fmt.grammar("actions", ["4 * 6", "4 + 6"])
+    assert check(g, "Act: 4 + 6") == "ok" and check(g, "Think: x\nAct: 4 + 6") == "violated"
+    with pytest.raises(SpecError, match="unknown agent format 'cot'"):
+        make_format("cot")
+    # through the API: the recorded completions are bare Act lines, and the search still solves
+    tasks = om.load_tasks("countdown", "test:level=1", limit=2)
+    for res in om.search_many(tasks, strategy="react", policy="scripted:oracle", agent="act"):
+        assert res.success
+        assert all(s.completion.startswith("Act: ") for s in res.best_trajectory.steps)
