@@ -8,12 +8,20 @@ How it runs:
 * the context holds ``max_batch`` sequences, each in its own KV stream of ``n_ctx`` cells
   (``kv_unified=False``: in a unified cache every token attends over all sequences' cells, which
   made batched decoding 2-4x slower here);
-* the KV cache is kept between calls, with the exact token ids each stream holds. A new prompt
-  starts from the stream that shares its longest prefix (taken over in place, or copied) and only
-  the rest is evaluated: ``n`` samples of one prompt evaluate it once, and the engine's next turn
-  (prompt + completion + observation) evaluates only the new tokens; within a call, a prefix that
-  all prompts or a group of them share is evaluated once and copied
-  (:func:`~omrl_search.backends._decode.prefix_groups`);
+* the prefix cache (``prefix_cache``, on by default): the KV cache is kept between calls, with
+  the exact token ids each stream holds. A new prompt starts from the stream that shares its
+  longest prefix (taken over in place, or copied) and only the rest is evaluated, so the engine's
+  next turn (prompt + completion + observation) or a search-tree child evaluates only its new
+  tokens. A stream about to be overwritten is first saved (``llama_state_seq_get_data``) into an
+  LRU store of at most ``prefix_cache_mb`` MB, and a prompt that shares a longer prefix with a
+  saved state than with any live stream gets it copied back
+  (:mod:`~omrl_search.backends._llamacpp_cache`). Each Generation's ``cached_tokens`` counts
+  the prompt tokens its request did not evaluate. ``prefix_cache=off`` clears the KV cache at
+  the start of every call: each call prefills its prompts in full;
+* within a call (cache on or off), ``n`` samples of one prompt evaluate it once, and a prefix
+  that all prompts or a group of them share is evaluated once and copied
+  (:func:`~omrl_search.backends._decode.prefix_groups`); the request whose stream evaluated it
+  is charged for it, the others count it as cached;
 * flash attention is on by default: without it, decoding with ``n_ctx``-cell streams was 10-50x
   slower on the development VM;
 * all live sequences decode together, one ``llama_decode`` per step; sampling is done here from
@@ -46,6 +54,7 @@ from ..policy import (Policy, PolicyError, from_path_spec, register_policy, requ
                       require)
 from ..types import GenRequest
 from ._decode import ChunkedDecoder, Row, prefix_groups
+from ._llamacpp_cache import SeqStateStore, common_prefix
 from .hf_tokenizer import CHATML_TEMPLATE, compile_chat_template
 
 _BACKEND_READY = False
@@ -133,7 +142,10 @@ class LlamaCppPolicy(ChunkedDecoder, Policy):
     ``n_ctx``: the most tokens (prompt + completion) one sequence may hold (capped at the model's
     training context). ``max_batch``: sequences decoded together; the KV cache holds
     ``n_ctx * max_batch`` cells (about 23 KB each for SmolLM2-135M). ``seed``: the sampling
-    generator used when a request gives no seed.
+    generator used when a request gives no seed. ``prefix_cache``: keep the KV cache between
+    calls (default on; ``off``: every call prefills its prompts in full). ``prefix_cache_mb``:
+    the most memory the store of saved sequence states may hold (0: only the live streams are
+    reused).
     """
 
     name = "llamacpp"
@@ -155,6 +167,8 @@ class LlamaCppPolicy(ChunkedDecoder, Policy):
         flash_attn: bool = True,
         extra_bufts: bool = False,
         grammar_engine: str = "auto",
+        prefix_cache: bool = True,
+        prefix_cache_mb: float = 256,
         verbose: bool = False,
     ) -> None:
         self._ll = _import_llama_cpp()
@@ -171,6 +185,16 @@ class LlamaCppPolicy(ChunkedDecoder, Policy):
         if grammar_engine not in ("auto", "xgrammar", "gbnf"):
             raise PolicyError(f"llamacpp: grammar_engine must be auto, xgrammar or gbnf, not {grammar_engine!r}")
         self.grammar_engine = grammar_engine
+        if not isinstance(prefix_cache, bool):
+            raise PolicyError(f"llamacpp: prefix_cache must be on or off, not {prefix_cache!r}")
+        if isinstance(prefix_cache_mb, bool) or not isinstance(prefix_cache_mb, (int, float)) \
+                or not prefix_cache_mb >= 0:
+            raise PolicyError(f"llamacpp: prefix_cache_mb must be a number of MB >= 0, not {prefix_cache_mb!r}")
+        self.prefix_cache = prefix_cache
+        self.prefix_cache_mb = float(prefix_cache_mb)
+        #: counters of the prefix cache since the model was loaded (see :meth:`cache_stats`)
+        self._stats = {"prompt_tokens": 0, "cached_tokens": 0}
+        self._cached: dict[int, int] = {}  # request index -> prompt tokens not evaluated (chunk)
         self._grammar: Any = None  # the engine masking logits, made on the first grammar
         self._model = self._ctx = self._batch = None
         self._load(model_path)
@@ -219,6 +243,8 @@ class LlamaCppPolicy(ChunkedDecoder, Policy):
         self.n_vocab = self.tokenizer.n_vocab
         self.model_path = path
         self._kv: list[list[int]] = [[] for _ in range(self.max_batch)]  # ids each stream holds
+        limit = int(self.prefix_cache_mb * 2**20) if self.prefix_cache else 0
+        self._store = SeqStateStore(ll, ctx, limit) if limit > 0 else None
 
     def reload(self, path: str) -> None:
         """Load another GGUF file (e.g. after training and converting); same vocabulary expected."""
@@ -229,6 +255,9 @@ class LlamaCppPolicy(ChunkedDecoder, Policy):
 
     def close(self) -> None:
         ll = self._ll
+        if getattr(self, "_store", None) is not None:
+            self._store.clear()  # the saved states belong to this context
+            self._store = None
         if getattr(self, "_grammar", None) is not None:
             self._grammar.close()  # its samplers point into the model's vocabulary
             self._grammar = None
@@ -267,6 +296,8 @@ class LlamaCppPolicy(ChunkedDecoder, Policy):
 
     @contextlib.contextmanager
     def _decoding(self) -> Any:
+        if not self.prefix_cache:
+            self._reset_kv()  # nothing from an earlier call is reused
         try:
             yield
         except BaseException:
@@ -296,43 +327,75 @@ class LlamaCppPolicy(ChunkedDecoder, Policy):
         return self._grammar_engine().mask(logits, guides)
 
     def _reset_kv(self) -> None:
+        """Forget every cached prefix: the live streams and the saved states."""
         self._ll.llama_memory_clear(self._mem, True)
         self._kv = [[] for _ in range(self.max_batch)]
+        if self._store is not None:
+            self._store.clear()
+
+    def cache_stats(self) -> dict[str, Any]:
+        """Prompt tokens asked for and served by the prefix cache since loading (each distinct
+        prompt of a chunk once), the hit rate, and the saved-state store's counters."""
+        s = dict(self._stats)
+        s["hit_rate"] = round(s["cached_tokens"] / s["prompt_tokens"], 4) if s["prompt_tokens"] else 0.0
+        st = self._store
+        s.update(saved_states=len(st) if st else 0, saved_mb=round(st.bytes / 2**20, 1) if st else 0.0,
+                 saves=st.saves if st else 0, restores=st.restores if st else 0,
+                 evictions=st.evictions if st else 0)
+        return s
+
+    def _run_chunk(self, chunk: list[tuple[int, int]], requests: list[GenRequest],
+                   prompts: list[list[int]], seeds: list[int]) -> list[Any]:
+        self._cached = {}
+        gens = super()._run_chunk(chunk, requests, prompts, seeds)
+        for (ri, _), g in zip(chunk, gens):
+            g.cached_tokens = self._cached.get(ri, 0)
+        return gens
 
     def _plan(self, chunk: list[tuple[int, int]], prompts: list[list[int]]) -> tuple[dict, dict, list]:
         """Give each row a stream. Returns (leader stream of each request, {stream: (source
-        stream or None, reused prefix length)} for leaders, [(follower stream, ri)])."""
-        kv = self._kv
+        stream or None, reused prefix length, saved-state key or None)} for leaders,
+        [(follower stream, ri)])."""
+        kv, store = self._kv, self._store
         order: list[int] = []
         for ri, _ in chunk:
             if ri not in order:
                 order.append(ri)
         best: dict[int, tuple[int, int]] = {}  # ri -> (reusable prefix length, source stream)
+        saved: dict[int, tuple[int, tuple[int, ...]]] = {}  # ri -> (length, key) from the store
         for ri in order:
             p = prompts[ri]
             cap = len(p) - 1  # the last prompt token is always evaluated, for its logits
             top = (0, -1)
             for s, held in enumerate(kv):
-                n = _common_prefix(p, held, cap)
+                n = common_prefix(p, held, cap)
                 if n > top[0]:
                     top = (n, s)
             best[ri] = top
+            if store is not None and len(store):
+                n, key = store.best(p, cap)
+                if key is not None and n >= top[0] + store.min_tokens:
+                    saved[ri] = (n, key)
         claimed: dict[int, int] = {}  # stream -> ri taking it over in place
         for ri in sorted(order, key=lambda r: -best[r][0]):
             n, s = best[ri]
-            if n > 0 and s not in claimed:
+            if n > 0 and s not in claimed and ri not in saved:
                 claimed[s] = ri
         free = [s for s in range(len(kv)) if s not in claimed]
         # streams that nobody reuses go last, so later calls may still find their contents
         free.sort(key=lambda s: len(kv[s]) > 0)
         leader: dict[int, int] = {ri: s for s, ri in claimed.items()}
-        plan: dict[int, tuple[int | None, int]] = {s: (None, best[ri][0]) for s, ri in claimed.items()}
+        plan: dict[int, tuple[int | None, int, Any]] = {s: (None, best[ri][0], None)
+                                                        for s, ri in claimed.items()}
         for ri in order:
             if ri not in leader:
                 s = free.pop(0)
                 leader[ri] = s
-                n, src = best[ri]
-                plan[s] = (src if n > 0 else None, n)
+                if ri in saved:
+                    plan[s] = (None, *saved[ri])
+                else:
+                    n, src = best[ri]
+                    plan[s] = (src if n > 0 else None, n, None)
         followers: list[tuple[int, int]] = []
         seen: set[int] = set()
         for ri, _ in chunk:
@@ -341,24 +404,43 @@ class LlamaCppPolicy(ChunkedDecoder, Policy):
             seen.add(ri)
         return leader, plan, followers
 
+    def _save_overwritten(self, plan: dict, followers: list[tuple[int, int]]) -> None:
+        """Before the plan changes the streams, save those that lose at least the store's
+        ``min_tokens`` tokens (a stream taken over in place keeps its first ``n``)."""
+        store, kv = self._store, self._kv
+        if store is None:
+            return
+        keeps = {s: (n if src is None and key is None else 0) for s, (src, n, key) in plan.items()}
+        keeps.update((s, 0) for s, _ in followers)
+        for s, keep in keeps.items():
+            if len(kv[s]) - keep >= store.min_tokens:
+                store.save(s, kv[s])
+
     def _prefill(self, chunk: list[tuple[int, int]], prompts: list[list[int]],
                  rows: list[Row]) -> tuple[list[int], Any]:
         """Evaluate the chunk's prompts, reusing and sharing KV streams; the decoding state is
-        the stream of each chunk row."""
+        the stream of each chunk row. Records in ``_cached`` each request's prompt tokens that
+        were not evaluated for it."""
         ll = self._ll
         mem, kv = self._mem, self._kv
         leader, plan, followers = self._plan(chunk, prompts)
-        # 1. copies first (they read the source streams as they are now), then truncations
-        for s, (src, n) in plan.items():
+        self._save_overwritten(plan, followers)
+        # 1. copies and restores first (copies read the source streams as they are now), then
+        #    truncations
+        for s, (src, n, key) in plan.items():
             if src is not None and src != s:
                 ll.llama_memory_seq_cp(mem, src, s, -1, -1)
                 kv[s] = list(kv[src])
-        for s, (_, n) in plan.items():
+            elif key is not None:
+                ll.llama_memory_seq_rm(mem, s, -1, -1)
+                kv[s] = list(key) if self._store.restore(key, s) else []
+        for s, (_, n, _) in plan.items():
             ll.llama_memory_seq_rm(mem, s, n if n > 0 else -1, -1)
             del kv[s][n:]
         for s, _ in followers:
             ll.llama_memory_seq_rm(mem, s, -1, -1)
             kv[s] = []
+        computed = {ri: 0 for ri in leader}  # prompt tokens evaluated for each request
         # 2. a prefix all distinct prompts share (the system prompt...), then a prefix that a
         #    group of them shares beyond it (one task's prompt and path), is evaluated in one
         #    stream and copied to the others
@@ -373,6 +455,7 @@ class LlamaCppPolicy(ChunkedDecoder, Policy):
             if len(kv[root]) < P:
                 have = len(kv[root])
                 self._evaluate([(root, pos, prompts[root_ri][pos], None) for pos in range(have, P)])
+                computed[root_ri] += P - have
                 kv[root] = list(prompts[root_ri][:P])
             for ri in members:
                 st = leader[ri]
@@ -384,11 +467,15 @@ class LlamaCppPolicy(ChunkedDecoder, Policy):
         pending: list[tuple[int, int, int, Any]] = []
         for ri, st in leader.items():
             p = prompts[ri]
+            computed[ri] += len(p) - len(kv[st])
             pending.extend((st, pos, p[pos], ri if pos == len(p) - 1 else None)
                            for pos in range(len(kv[st]), len(p)))
         first_logits = self._evaluate(pending)
         for ri, st in leader.items():
             kv[st] = list(prompts[ri])
+        self._cached = {ri: len(prompts[ri]) - c for ri, c in computed.items()}
+        self._stats["prompt_tokens"] += sum(len(prompts[ri]) for ri in leader)
+        self._stats["cached_tokens"] += sum(self._cached.values())
         # 4. other samples of a prompt start from a copy of its leader's stream
         for s, ri in followers:
             ll.llama_memory_seq_cp(mem, leader[ri], s, -1, -1)
@@ -457,22 +544,6 @@ class LlamaCppPolicy(ChunkedDecoder, Policy):
         np, ll, V = self._np, self._ll, self.n_vocab
         return np.stack([np.ctypeslib.as_array(ll.llama_get_logits_ith(self._ctx, i), shape=(V,))
                          for i in idx])
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int], cap: int) -> int:
-    n = min(len(a), len(b), cap)
-    if n <= 0:
-        return 0
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 def _sample(np: Any, logits: Any, params: list[Any], rng: Any) -> tuple[Any, Any]:
