@@ -4,6 +4,14 @@ Kinds: ``prompt_tokens``, ``completion_tokens``, ``tokens`` (both together), ``l
 request sent to the policy, whatever its ``n``), ``rm_calls`` (one per prefix scored),
 ``env_steps`` and ``seconds`` (wall time). A strategy checks the budget *before* each batched
 call, so a search overshoots a limit by at most the one batch in flight.
+
+Prompt tokens split in two, for backends with a prefix cache (``Generation.cached_tokens``):
+``cached_tokens``, the prompt tokens the backend served from its cache (KV it already held), and
+``prefill_tokens`` = ``prompt_tokens - cached_tokens``, the prompt tokens it actually computed.
+``prompt_tokens`` (and so ``tokens``) still counts every prompt token, cached or not, so a token
+budget means the same whatever the backend caches; a ``prefill_tokens`` limit budgets the compute
+spent reading prompts instead. A backend without a cache reports 0 cached tokens (every prompt
+token is prefill), as does an LM call whose usage is counted by the engine itself (``score``).
 """
 from __future__ import annotations
 
@@ -16,7 +24,8 @@ from .specs import SpecError, parse_kv
 if TYPE_CHECKING:  # pragma: no cover
     from .types import Generation
 
-KINDS = ("tokens", "prompt_tokens", "completion_tokens", "lm_calls", "rm_calls", "env_steps", "seconds")
+KINDS = ("tokens", "prompt_tokens", "completion_tokens", "prefill_tokens", "cached_tokens", "lm_calls",
+         "rm_calls", "env_steps", "seconds")
 
 
 class BudgetExhausted(Exception):
@@ -42,6 +51,7 @@ class CapReached(BudgetExhausted):
 class Spent:
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, those a prefix cache served
     lm_calls: int = 0
     rm_calls: int = 0
     env_steps: int = 0
@@ -51,9 +61,15 @@ class Spent:
     def tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens the backend computed (not served by its prefix cache)."""
+        return self.prompt_tokens - self.cached_tokens
+
     def as_dict(self) -> dict[str, float]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "tokens": self.tokens, "lm_calls": self.lm_calls, "rm_calls": self.rm_calls,
+                "tokens": self.tokens, "prefill_tokens": self.prefill_tokens,
+                "cached_tokens": self.cached_tokens, "lm_calls": self.lm_calls, "rm_calls": self.rm_calls,
                 "env_steps": self.env_steps, "seconds": round(self.seconds, 4)}
 
 
@@ -106,9 +122,12 @@ class Budget:
             raise BudgetExhausted(kind)
 
     def charge(self, *, prompt_tokens: int = 0, completion_tokens: int = 0, lm_calls: int = 0,
-               rm_calls: int = 0, env_steps: int = 0) -> None:
+               rm_calls: int = 0, env_steps: int = 0, cached_tokens: int = 0) -> None:
+        """Add to what has been spent; ``cached_tokens`` are part of ``prompt_tokens`` (counted
+        in it, at most all of it), not on top of them."""
         s = self.spent
         s.prompt_tokens += prompt_tokens
+        s.cached_tokens += min(max(int(cached_tokens), 0), max(int(prompt_tokens), 0))
         s.completion_tokens += completion_tokens
         s.lm_calls += lm_calls
         s.rm_calls += rm_calls
@@ -116,10 +135,13 @@ class Budget:
 
     def charge_lm(self, gens: "Sequence[Generation]" = ()) -> None:
         """One request answered by the policy (or failed: no ``gens``): one LM call, its prompt
-        once (the ``n`` samples share it) and every sample's completion tokens. The engine
-        charges every request, expansion or ask, through this one place."""
+        once (the ``n`` samples share it), of which ``cached_tokens`` as the first sample
+        reports them, and every sample's completion tokens. The engine charges every request,
+        expansion or ask, through this one place."""
         if gens:
-            self.charge(lm_calls=1, prompt_tokens=gens[0].prompt_tokens,
+            g = gens[0]
+            self.charge(lm_calls=1, prompt_tokens=g.prompt_tokens,
+                        cached_tokens=getattr(g, "cached_tokens", 0) or 0,
                         completion_tokens=sum(g.completion_tokens for g in gens))
         else:
             self.charge(lm_calls=1)
