@@ -47,7 +47,7 @@ class ArithState(NamedTuple):
     success: bool = False
     answer: str = ""
     note: str = ""  # the message of the last step, shown above the numbers
-    path: tuple[str, ...] = ()  # the combines so far, as actions write them ("8 / 3")
+    path: tuple[str, ...] = ()  # the combines so far ("8 / 3"; + and * smaller operand first)
     answer_step: bool = False  # with only the target left, wait for ``answer EXPR``
 
 
@@ -343,8 +343,10 @@ class ArithmeticEnv(ValueSnapshots, TextEnv):
         if move[0] == "invalid":
             return self._invalid(move[1])
         _, a, op, b, value, rest = move
-        text = f"{fmt(a)} {op} {fmt(b)}"
-        return self._advance(numbers=rest, note=f"{text} = {fmt(value)}", path=s.path + (text,))
+        # the path records the operation (``6 * 4`` is ``4 * 6``), the note what was written
+        x, y = (b, a) if op in "+*" and b < a else (a, b)
+        path = s.path + (f"{fmt(x)} {op} {fmt(y)}",)
+        return self._advance(numbers=rest, note=f"{fmt(a)} {op} {fmt(b)} = {fmt(value)}", path=path)
 
     def final_answer(self) -> str | None:
         """``answer EXPR`` spelling the combines so far as one expression, when they reached
