@@ -4,7 +4,8 @@
 strategy on the same tasks (the whole split unless ``--limit``) under each per-task budget (any
 budget kind) and writes ``DIR/summary.json`` (per strategy and budget, the fields of ``omrl
 search``'s summary: success rate with its Wilson 95% interval and, after the first strategy, an
-exact McNemar test against it at the same budget), ``DIR/table.md``, ``DIR/outcomes.jsonl`` (per
+exact McNemar test against it at the same budget; the prompt tokens split into
+``prefill_tokens`` and ``cached_tokens``, see :mod:`omrl_search.budget`), ``DIR/table.md``, ``DIR/outcomes.jsonl`` (per
 task), ``DIR/scaling.png`` (success rate with error bars against tokens spent per task, one line
 per strategy) and ``DIR/scaling_env_steps.png`` (against env steps). Every argument and DIR are
 checked before anything runs; DIR appears whole at the end (docs/design.md §8 for the
@@ -207,6 +208,7 @@ def _run_logged(tasks: list[Task], strats: list[Strategy], kind: str, limits: li
                 results = search_many(tasks, strategy=strat, budget={kind: limit}, on_result=on_result,
                                       **search_kwargs)
             row = rows[name][label] = {"strategy": strat.spec(), **summarize(results, time.perf_counter() - t0)}
+            row.update(prompt_split(results))
             solved[name, label] = outcomes(results)
             del results
             if si:
@@ -216,6 +218,15 @@ def _run_logged(tasks: list[Task], strats: list[Strategy], kind: str, limits: li
         if bar is not None:
             bar.close()
     return rows
+
+
+def prompt_split(results: Sequence[Any]) -> dict[str, int]:
+    """Prompt tokens summed over ``results`` split in two (see :mod:`omrl_search.budget`):
+    ``prefill_tokens``, computed by the backend, and ``cached_tokens``, served by its prefix
+    cache. Results written before the split count every prompt token as prefill."""
+    cached = sum(int(r.spent.get("cached_tokens", 0)) for r in results)
+    prompt = sum(int(r.spent.get("prompt_tokens", 0)) for r in results)
+    return {"prefill_tokens": prompt - cached, "cached_tokens": cached}
 
 
 def outcome_line(name: str, label: str, r: Any) -> dict[str, Any]:
@@ -244,7 +255,16 @@ def _bar(name: str, total: int):
 
 
 def per_task(s: dict[str, Any], key: str) -> float:
-    value = s["prompt_tokens"] + s["completion_tokens"] if key == "tokens" else s[key]
+    """Mean of ``key`` per task in a summary row (``prefill_tokens`` of a summary written before
+    the split: all its prompt tokens; ``cached_tokens``: 0)."""
+    if key == "tokens":
+        value = s["prompt_tokens"] + s["completion_tokens"]
+    elif key == "prefill_tokens":
+        value = s.get(key, s["prompt_tokens"])
+    elif key == "cached_tokens":
+        value = s.get(key, 0)
+    else:
+        value = s[key]
     return value / max(s["tasks"], 1)
 
 
@@ -289,13 +309,15 @@ def markdown(config: dict[str, Any], rows: dict[str, dict[str, dict[str, Any]]])
             if any("paired" in per[b] for b in labels):
                 lines.append(f"| {name} | " + " | ".join(fmt_paired(per[b]["paired"]) if "paired" in per[b]
                                                           else "–" for b in labels) + " |")
-    lines += ["", "Compute spent, mean per task:", "",
-              "| strategy | budget | success | tokens | lm_calls | rm_calls | env_steps | faults |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "Compute spent, mean per task (tokens: prompt + completion; of the prompt tokens, "
+              "prefill: computed by the backend, cached: served by its prefix cache):", "",
+              "| strategy | budget | success | tokens | prefill | cached | lm_calls | rm_calls | env_steps "
+              "| faults |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, per in rows.items():
         for b in labels:
             s = per[b]
             lines.append(f"| {name} | {b} | {s['success_rate']:.2f} | {per_task(s, 'tokens'):.0f} | "
+                         f"{per_task(s, 'prefill_tokens'):.0f} | {per_task(s, 'cached_tokens'):.0f} | "
                          f"{per_task(s, 'lm_calls'):.1f} | {per_task(s, 'rm_calls'):.1f} | "
                          f"{per_task(s, 'env_steps'):.1f} | {s['faults']} |")
     return "\n".join(lines) + "\n"

@@ -30,8 +30,10 @@ def test_bench_writes_summary_table_and_plots(tmp_path, capsys):
     for name, per in data["strategies"].items():
         assert list(per) == ["lm_calls=2", "lm_calls=20"]
         for label, row in per.items():
-            assert set(SUMMARY_FIELDS) | {"verifier_in_loop", "strategy", "constraint"} | ({"paired"} if name != "react" else set()) \
+            assert set(SUMMARY_FIELDS) | {"verifier_in_loop", "strategy", "constraint", "prefill_tokens",
+                                          "cached_tokens"} | ({"paired"} if name != "react" else set()) \
                 == set(row)
+            assert row["cached_tokens"] == 0 and row["prefill_tokens"] == row["prompt_tokens"]
             mine = [o for o in outcomes if (o["strategy"], o["budget"]) == (name, label)]
             assert [o["task_id"] for o in mine] == ids  # task order, though appended as tasks finished
             solved[name, label] = {o["task_id"]: o["success"] for o in mine}
@@ -146,3 +148,40 @@ def test_bench_python_api_returns_the_summary_the_cli_writes(tmp_path, capsys):
     assert drop(written) == drop(got) and written["config"] == got["config"]
     with pytest.raises(SpecError, match="unknown strategy 'zigzag'"):
         bench(tasks, ["react", "zigzag"], "tokens=100", policy="scripted:oracle", progress=False)
+
+
+def test_bench_shows_prefill_and_cached_tokens(tmp_path):
+    """A backend that serves prompt tokens from a prefix cache: summary.json and table.md give,
+    per strategy and budget, the prompt tokens computed and those served from the cache."""
+    from omrl_search.backends.scripted import OraclePolicy
+    from omrl_search.bench import bench, per_task
+
+    class ThirdCached(OraclePolicy):
+        def generate(self, requests):
+            out = super().generate(requests)
+            for gs in out:
+                for g in gs:
+                    g.cached_tokens = g.prompt_tokens // 3
+            return out
+
+    tasks = load_tasks("game24", "test", 4)
+    summary = bench(tasks, "react,best_of_n:n=2", "lm_calls=4", policy=ThirdCached(0.3),
+                    out=tmp_path / "b", progress=False)
+    table = (tmp_path / "b" / "table.md").read_text()
+    assert "| prefill | cached |" in table
+    for name, per in summary["strategies"].items():
+        row = per["lm_calls=4"]
+        assert row["prefill_tokens"] + row["cached_tokens"] == row["prompt_tokens"]
+        assert row["cached_tokens"] >= row["prompt_tokens"] // 3 - row["lm_calls"] > 0
+        assert (f"| {per_task(row, 'tokens'):.0f} | {per_task(row, 'prefill_tokens'):.0f} | "
+                f"{per_task(row, 'cached_tokens'):.0f} |") in table
+    saved = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert saved["strategies"]["react"]["lm_calls=4"]["cached_tokens"] > 0
+    from omrl_search.report import collect  # the report's rows carry the split per task too
+
+    rows = {r["strategy"]: r for r in collect(tmp_path / "b")["evals"][0]["rows"]}
+    react = summary["strategies"]["react"]["lm_calls=4"]
+    assert rows["react"]["cached_tokens"] == pytest.approx(per_task(react, "cached_tokens"), abs=1e-3)
+    assert rows["react"]["prefill_tokens"] == pytest.approx(per_task(react, "prefill_tokens"), abs=1e-3)
+    old = {"tasks": 2, "prompt_tokens": 10, "completion_tokens": 4}  # a summary from before the split
+    assert (per_task(old, "prefill_tokens"), per_task(old, "cached_tokens")) == (5, 0)
