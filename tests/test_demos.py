@@ -190,6 +190,10 @@ def test_tot_game24_example_runs_the_papers_protocol():
         assert len(root.children) == (len(first) if strat.k is None else min(strat.k, len(first)))
     fractions = [s.action for r in results[:2] for s in r.best_trajectory.steps]
     assert any(re.search(r"\d/\d", a) for a in fractions)  # 1 5 5 5 and 3 3 8 8 need fractions
+    one = ex.ScriptedToT()
+    om.search(tasks[0], strategy=ex.strategy(), policy=one)
+    values = [p for p in one.prompts if p.startswith("Evaluate")]
+    assert len(values) == len(set(values)) > 1  # cached by prompt: equal numbers left, one call
     again = om.search_many(tasks, strategy=ex.strategy(), policy=ex.ScriptedToT())
     assert [r.best_trajectory.to_dict()["node_ids"] for r in again] == \
         [r.best_trajectory.to_dict()["node_ids"] for r in results]

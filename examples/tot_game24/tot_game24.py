@@ -9,14 +9,15 @@ The paper's Game24 protocol (Yao et al., 2023, section 4.1) in this project's te
   With only 24 left it asks for the answer instead: the steps so far rewritten as one
   expression (``Answer: (4 + 8) * (6 - 4) = 24``);
 * **value** (:func:`value_prompt`): the numbers left, judged ``sure``, ``likely`` or
-  ``impossible`` (few-shot), three samples mapped to 20 / 1 / 0.001 and summed; an answer
-  state is judged ``sure`` or ``impossible`` against the input numbers;
+  ``impossible`` (few-shot), three samples mapped to 20 / 1 / 0.001 and summed, cached by the
+  prompt (the paper's value cache: equal numbers left are valued once); an answer state is
+  judged ``sure`` or ``impossible`` against the input numbers (:func:`judge_prompt`);
 * breadth ``b=5``, the rest ToT's defaults of the ``tot`` strategy (frontier in value order,
   repeats kept and valued 0).
 
 Only the public strategy API is used: ``ProposePrompt(prompt=..., parse=...)`` and
-``LMValue(prompt=..., mapping=..., reduce=...)`` given to ``TreeOfThoughts`` as its proposer and
-evaluator. The prompts' wording and examples are this project's own.
+``LMValue(prompt=..., answer_prompt=..., mapping=..., reduce="sum", cache_by="prompt")`` given to
+``TreeOfThoughts`` as its proposer and evaluator. The prompts' wording and examples are this project's own.
 
 :class:`ScriptedToT` answers these prompts the way a perfect model would (exact arithmetic), so
 the pipeline runs without a model (the test and ``--policy scripted``).
@@ -152,18 +153,21 @@ def parse_proposals(text: str) -> list[str]:
 
 
 def value_prompt(ctx, node) -> str:
-    """ToT's value prompt on the numbers left; an answer state's answer is judged instead."""
-    action = node.step.action if node.step is not None else ""
-    if action.lower().startswith("answer"):
-        return JUDGE.format(numbers=_inputs(ctx), answer=action[len("answer"):].strip())
+    """ToT's value prompt: the numbers left, nothing else (so equal numbers share a value)."""
     return VALUE.format(numbers=" ".join(numbers_left(node.observation)))
+
+
+def judge_prompt(ctx, node) -> str:
+    """ToT's last-step value prompt: the answer, judged against the input numbers."""
+    action = node.step.action if node.step is not None else ""
+    return JUDGE.format(numbers=_inputs(ctx), answer=action[len("answer"):].strip())
 
 
 def strategy(b: int = 5, n_evaluate: int = 3, **options: Any) -> TreeOfThoughts:
     """ToT with the Game24 propose / value prompts (``options``: other ``tot`` knobs)."""
     proposer = ProposePrompt(prompt=propose_prompt, parse=parse_proposals, max_tokens=200)
     evaluator = LMValue(n=n_evaluate, mapping=MAPPING, reduce="sum", prompt=value_prompt,
-                        max_tokens=120)
+                        answer_prompt=judge_prompt, cache_by="prompt", max_tokens=120)
     return TreeOfThoughts(method="bfs", b=b, proposer=proposer, evaluator=evaluator, **options)
 
 
