@@ -348,3 +348,19 @@ def test_prefill_tokens_sum_to_tokens_evaluated(policy: LlamaCppPolicy, monkeypa
         assert all(g.cached_tokens == gs[0].cached_tokens for gs in out for g in gs)
         assert sum(prefill) == len(evaluated)  # decoding steps do not go through _evaluate
         assert all(p > 0 for p in prefill) or extra == []
+
+
+def test_server_with_its_state_cache_answers_the_same() -> None:
+    """llama-cpp-python's server with its RAM state cache on (``serving(prefix_cache_mb=...)``):
+    a prompt asked again after another one (its state restored from the cache) gets the same
+    greedy answer."""
+    pytest.importorskip("llama_cpp.server")
+    from omrl_search.backends._llamacpp_server import serving
+    from omrl_search.backends.openai import OpenAIPolicy
+
+    with serving(GGUF, alias="smollm2", threads=1, n_ctx=512, prefix_cache_mb=64) as url:
+        p = OpenAIPolicy(f"{url}#smollm2")
+        first = p.generate([GenRequest(LONG, greedy(6))])[0][0]
+        p.generate([GenRequest(OTHER, greedy(4))])
+        again = p.generate([GenRequest(LONG, greedy(6))])[0][0]
+        assert first.text.strip() and again.text == first.text

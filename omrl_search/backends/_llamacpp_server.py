@@ -9,6 +9,16 @@ backend turns them off for the same reason (its ``extra_bufts`` option). Elsewhe
 ``python -m llama_cpp.server`` works the same.
 
 :func:`serving` runs it as a subprocess for as long as a ``with`` block (tests, benchmarks).
+
+Prefix reuse in this server (llama-cpp-python 0.3): one sequence, one slot. Each request reuses
+the KV of the longest prefix it shares with the tokens the previous request left in the context
+(always on, no option turns it off), so a next turn or a search-tree child sent right after its
+parent prefills only its new tokens. ``--cache True --cache_size BYTES`` (``serving(...,
+prefix_cache_mb=N)``) adds an LRU of whole-context states in RAM, saved after every completion
+and restored when one shares a longer prefix with the new prompt than the context does. The
+server reports no count of cached tokens in its usage, so Generations from it carry
+``cached_tokens=0`` and budgets count their prompts as prefill. It has no slots to pin (llama.cpp's
+own ``llama-server`` has ``cache_prompt`` and ``--slot-save-path``; this one does not).
 """
 from __future__ import annotations
 
@@ -33,10 +43,12 @@ def _without_extra_bufts() -> None:
 
 @contextlib.contextmanager
 def serving(model: str, *, alias: str = "model", threads: int = 1, n_ctx: int = 2048,
-            deadline_s: float = 90.0, extra: tuple[str, ...] = ()) -> Iterator[str]:
+            deadline_s: float = 90.0, prefix_cache_mb: float = 0,
+            extra: tuple[str, ...] = ()) -> Iterator[str]:
     """Serve ``model`` (a GGUF file) on a free local port; yields the base URL (``.../v1``)
     once ``GET /v1/models`` answers, and stops the server (by its PID) on leaving. A server that
-    exits or is not up within ``deadline_s`` is a RuntimeError with the end of its stderr."""
+    exits or is not up within ``deadline_s`` is a RuntimeError with the end of its stderr.
+    ``prefix_cache_mb`` > 0 turns on the server's RAM cache of saved states, that many MB."""
     import socket
     import subprocess
     import sys
@@ -49,11 +61,13 @@ def serving(model: str, *, alias: str = "model", threads: int = 1, n_ctx: int = 
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}/v1"
+    cache = ("--cache", "True", "--cache_type", "ram", "--cache_size", str(int(prefix_cache_mb * 2**20))) \
+        if prefix_cache_mb > 0 else ()
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", __name__, "--model", model, "--host", "127.0.0.1",
              "--port", str(port), "--n_threads", str(threads), "--n_ctx", str(n_ctx),
-             "--model_alias", alias, "--verbose", "False", *extra],
+             "--model_alias", alias, "--verbose", "False", *cache, *extra],
             stdout=subprocess.DEVNULL, stderr=log)
         try:
             end = time.monotonic() + deadline_s
