@@ -142,6 +142,20 @@ class Grammar:
         """Who made it, for messages."""
         return self._who()
 
+    # --- as recorded on a Step (``Step.grammar``) ---------------------------------------------
+    def to_record(self) -> dict[str, Any]:
+        """The fields as a plain dict (what ``Step.grammar`` and GRPO exports hold)."""
+        return {"kind": self.kind, "rules": self.rules, "source": self.source,
+                "think": self.think, "act": self.act}
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> "Grammar":
+        """The grammar a :meth:`to_record` dict describes (extra keys are refused)."""
+        try:
+            return cls(**record)
+        except TypeError as exc:
+            raise GrammarError(f"not a grammar record: {exc}") from None
+
 
 # --- compiling and checking (xgrammar) ---------------------------------------------------------
 def _xgr() -> Any:
@@ -257,6 +271,39 @@ class TokenMasker:
                 if b == float("-inf") and stops:
                     logits[j, stops] = 0.0
         return logits
+
+    def masks_along(self, grammar: Grammar, token_ids: Sequence[int]) -> tuple[Any, int]:
+        """The bitmask the sampler applied before each of ``token_ids`` (a completion sampled
+        under ``grammar`` from its start): ``(int32 [n, ceil(vocab / 32)] torch tensor, n)``,
+        where ``n`` counts the leading tokens the grammar allowed (a token it does not allow
+        ends the walk: later positions have no known mask). A position where the grammar allows
+        nothing gets the stop tokens, as in :meth:`mask`. For a trainer that recomputes the
+        masked logprobs the sampler recorded."""
+        m = self.matcher(grammar).matcher
+        out = self._xgr.allocate_token_bitmask(max(len(token_ids), 1), self.vocab_size)
+        n = 0
+        for j, tok in enumerate(token_ids):
+            if m.is_terminated():
+                break
+            m.fill_next_token_bitmask(out, j)
+            if not bool(out[j].any()):
+                for t in self.info.stop_token_ids:
+                    _set_bit(out[j], t)
+            if not _has_bit(out[j], int(tok)):
+                break
+            n = j + 1
+            if not m.accept_token(int(tok)):
+                break  # a stop token given back where the grammar allowed nothing
+        return out[:n], n
+
+
+def _has_bit(row: Any, token: int) -> bool:
+    return bool((int(row[token // 32]) >> (token % 32)) & 1)
+
+
+def _set_bit(row: Any, token: int) -> None:
+    word = (int(row[token // 32]) & 0xFFFFFFFF) | (1 << (token % 32))
+    row[token // 32] = word - (1 << 32) if word >= 1 << 31 else word  # int32 two's complement
 
 
 class XGrammarGuide:

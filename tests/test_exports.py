@@ -10,8 +10,9 @@ import sys
 import pytest
 
 import omrl_search as om
-from omrl_search.exports import (ExportError, dpo_rows, export, grpo_rows, node_values,
-                                 openmanus_rows, prm_rows, prompt_messages, sft_rows)
+from omrl_search.exports import (ExportError, dpo_rows, export, finished_below, grpo_rows,
+                                 node_values, openmanus_rows, prm_rows, prompt_messages,
+                                 rs_sft_rows, sft_rows)
 
 pq = pytest.importorskip("pyarrow.parquet")
 
@@ -100,6 +101,90 @@ def test_dpo_pairs_share_their_prefix_and_differ_by_margin(results):
         assert sum(s["trainable"] for s in c) == 1 == sum(s["trainable"] for s in j)
     traj = dpo_rows(results, margin=0.5, unit="trajectory")
     assert all(r["chosen_value"] > r["rejected_value"] for r in traj)
+
+
+@pytest.fixture(scope="module")
+def beam_results():
+    """Trees with branch points below the root (siblings with their own subtrees)."""
+    tasks = om.load_tasks("game24", "train", limit=6)
+    return om.search_many(tasks, strategy="beam:width=3", policy="scripted:oracle:p=0.4", seed=0)
+
+
+def _pair_nodes(results, row):
+    tree = next(r.tree for r in results if r.task.task_id == row["task_id"])
+    parent = tree.nodes[int(row["pair_id"].split("/")[-2])]
+    kids = [tree.nodes[c] for c in parent.children]
+    chosen = next(k for k in kids if k.step.completion == row["chosen"][0]["content"])
+    rejected = next(k for k in kids if k.step.completion == row["rejected"][0]["content"])
+    return tree, parent, chosen, rejected
+
+
+def test_dpo_pairs_are_real_branch_points(beam_results):
+    """Default pairs: siblings of one parent state, the chosen one leads to success and the
+    rejected one does not; every branch point that has such siblings gives pairs; the older
+    value rule (kept as pairs="value") also pairs siblings that both lead to success."""
+    rows = dpo_rows(beam_results)
+    assert rows
+    below = {r.task.task_id: finished_below(r.tree) for r in beam_results}
+    seen = set()
+    for row in rows:
+        tree, parent, chosen, rejected = _pair_nodes(beam_results, row)
+        b = below[row["task_id"]]
+        assert chosen.parent == rejected.parent == parent.id
+        assert chosen.step.context_ids == rejected.step.context_ids  # one prompt, one state
+        assert b[chosen.id][0] > 0  # leads to success
+        assert b[rejected.id][0] == 0 and (b[rejected.id][1] > 0 or not rejected.step.valid)
+        assert row["chosen_value"] == b[chosen.id][0] / b[chosen.id][1] and row["rejected_value"] == 0.0
+        seen.add((row["task_id"], parent.id))
+    for res in beam_results:  # completeness: every parent with a winner and a dead sibling
+        b = finished_below(res.tree)
+        for node in res.tree.nodes:  # (failed and pruned children are in no branch group)
+            kids = [res.tree.nodes[c] for c in node.children if res.tree.nodes[c].status not in ("failed", "pruned")]
+            if any(b[k.id][0] for k in kids) and any(not b[k.id][0] and b[k.id][1] for k in kids):
+                assert (res.task.task_id, node.id) in seen
+    old = dpo_rows(beam_results, pairs="value", margin=0.3)
+    assert any(below[r["task_id"]][_pair_nodes(beam_results, r)[3].id][0] > 0 for r in old)
+    with pytest.raises(ExportError, match="unknown pairs"):
+        dpo_rows(beam_results, pairs="nope")
+
+
+def test_rs_sft_keeps_distinct_successes_per_task_up_to_the_cap(results, beam_results):
+    """Successes only, one row per distinct action sequence per task across all results (two
+    searches of the same tasks), at most ``cap`` per task, fewer steps first."""
+    both = list(results) + list(beam_results)
+    rows = rs_sft_rows(both, cap=2)
+    assert rows and all(r["success"] for r in rows)
+    per_task = {}
+    for r in rows:
+        per_task.setdefault(r["task_id"], []).append(r)
+    acts = lambda r: tuple(m["content"].split("Act:")[-1].strip() for m in r["messages"]  # noqa: E731
+                           if m["role"] == "assistant")
+    for task_id, kept in per_task.items():
+        assert len(kept) <= 2 and len({acts(r) for r in kept}) == len(kept)
+        assert [r["steps"] for r in kept] == sorted(r["steps"] for r in kept)
+    distinct = {}
+    for res in both:
+        for leaf in res.tree.terminals():
+            if leaf.success:
+                distinct.setdefault(res.task.task_id, set()).add(
+                    tuple(n.step.action for n in res.tree.path(leaf)[1:]))
+    assert {t: len(v) for t, v in per_task.items()} == {t: min(2, len(v)) for t, v in distinct.items()}
+    assert any(len(v) > 2 for v in distinct.values())  # the cap did cut
+    wide = rs_sft_rows(both, cap=100)
+    assert len(wide) == sum(len(v) for v in distinct.values())
+    # the same action sequence with other thoughts is one row (sft's completion dedup keeps both)
+    assert len(wide) < len(sft_rows(both, top_k=100))
+    with pytest.raises(ExportError, match="cap"):
+        rs_sft_rows(both, cap=0)
+
+
+def test_rs_sft_export_writes_sft_rows(results_file, tmp_path):
+    path, n = export("rs-sft", [results_file, results_file], tmp_path / "rs.parquet", cap=3)
+    table = pq.read_table(path)
+    assert table.num_rows == n and pq.read_schema(path).metadata[b"omrl.kind"] == b"sft"
+    assert set(table.column_names) == {"task_id", "env", "messages", "segments", "success", "reward", "steps"}
+    # the same file twice: duplicates collapse
+    assert n == len(rs_sft_rows(om.read_results(results_file), cap=3))
 
 
 def test_grpo_groups_carry_logprobs_and_outcomes(results):
@@ -307,3 +392,37 @@ def test_prm_export_prompt_is_the_engines(results):
         assert row["prompt"] == prompt_messages(res.task, res.tree.root.observation)
         steps = sum(s["role"] == "assistant" for s in row["segments"])
         assert len(row["completions"]) == len(row["labels"]) == steps
+
+
+def test_grpo_segments_carry_the_step_grammar_and_sft_dpo_do_not(results, tmp_path):
+    """A step sampled under a grammar (``Step.grammar``) exports it with its GRPO segment (the
+    trainer rebuilds the masks from it); SFT and DPO rows are the same with or without it."""
+    from omrl_search.agent import ReActFormat
+
+    record = ReActFormat().grammar("actions", ["1 + 2", "3 * 4"], "game24").to_record()
+    before = {"sft": sft_rows(results, top_k=3), "dpo": dpo_rows(results)}
+    steps = [n.step for r in results for n in r.tree.nodes if n.step is not None]
+    for s in steps[::2]:
+        s.grammar = record
+    try:
+        rows = grpo_rows(results)
+        segs = [s for r in rows for s in r["segments"] if s["role"] == "assistant"]
+        assert {s["grammar"] is None for s in segs} == {True, False}
+        assert all(s["grammar"] in (None, record) for s in segs)
+        path, _ = export("grpo", [_write(results, tmp_path)], tmp_path / "g.parquet")
+        back = [s["grammar"] for r in pq.read_table(path).to_pylist() for s in r["segments"]
+                if s["role"] == "assistant"]
+        assert record in back and None in back
+        assert sft_rows(results, top_k=3) == before["sft"] and dpo_rows(results) == before["dpo"]
+        assert all("grammar" not in s for r in before["sft"] for s in r["segments"])
+        for kind in ("sft", "dpo"):
+            export(kind, [tmp_path / "r.jsonl"], tmp_path / f"{kind}.parquet")
+            assert "grammar" not in str(pq.read_schema(tmp_path / f"{kind}.parquet"))
+    finally:
+        for s in steps:
+            s.grammar = None
+
+
+def _write(results, tmp_path):
+    om.write_results(tmp_path / "r.jsonl", results)
+    return tmp_path / "r.jsonl"

@@ -75,10 +75,12 @@ def test_online_grpo_on_ray_samples_with_the_trainers_weights(tiny_agent_model, 
     """Two rounds on one Ray actor: each pushes the current weights (versions 0, 1); the
     behaviour logprobs the actor records are the trainer's own on the same ids, though every
     step moved the weights away from the base model's that the actor's spec loads."""
+    # unconstrained, every group kept (flat on the random model): the subject is the weights
     cfg = grpo.GRPOConfig(model=tiny_agent_model, out=str(tmp_path / "o"), lr=1e-2, max_steps=2,
-                          progress=False, online={"env": "countdown", "tasks_per_round": 2,
-                                                  "strategy": "best_of_n:n=3", "max_tokens": 8,
-                                                  "max_depth": 1, "executor": "ray:workers=1"})
+                          progress=False, dynamic_sampling=False,
+                          online={"env": "countdown", "tasks_per_round": 2, "constrain": "none",
+                                  "strategy": "best_of_n:n=3", "max_tokens": 8,
+                                  "max_depth": 1, "executor": "ray:workers=1"})
     runner = grpo.build(cfg)
     gen = torch.Generator().manual_seed(2)
 

@@ -89,14 +89,44 @@ def test_sft_loss_falls(model_dir, data, tmp_path):
 
 
 def test_dpo_loss_falls_and_reference_modes_agree(model_dir, data, tmp_path):
-    pre = dpo.build(_cfg(dpo.DPOConfig, model_dir, tmp_path / "a", data / "dpo.parquet", max_steps=6))
+    pre = dpo.build(_cfg(dpo.DPOConfig, model_dir, tmp_path / "a", data / "dpo.parquet", max_steps=6,
+                         rpo_alpha=0.0))
     assert _full_loss(pre) == pytest.approx(math.log(2), abs=1e-6)  # policy == reference
     pre.train()
     assert _full_loss(pre) < 0.5 * math.log(2)
     live = dpo.build(_cfg(dpo.DPOConfig, model_dir, tmp_path / "b", data / "dpo.parquet",
-                          reference="model", max_steps=3))
+                          reference="model", max_steps=3, rpo_alpha=0.0))
     live.train()
     assert _losses(tmp_path / "a")[:3] == pytest.approx(_losses(tmp_path / "b"), abs=1e-6)
+
+
+def test_rpo_adds_the_chosen_nll_and_its_defaults_keep_the_chosen_logprob_up(model_dir, data, tmp_path):
+    """loss = dpo + rpo_alpha * nll(chosen) (the chosen tokens' mean NLL); with the defaults
+    (beta, lr, rpo_alpha) the logged chosen logprob change against the reference never falls
+    and ends up; the NLL term lifts it above plain DPO's at the same settings."""
+    from train.common import policy_logprobs
+    from train.losses import nll_loss
+
+    base = dict(model=model_dir, data=[str(data / "dpo.parquet")], batch_size=2, max_steps=8,
+                progress=False, seed=0)
+    defaults = dpo.DPOConfig(out=str(tmp_path / "d"), **base)
+    assert (defaults.beta, defaults.lr, defaults.rpo_alpha) == (0.1, 5e-6, 1.0)
+    runner = dpo.build(defaults)
+    batch = runner.collate(runner.source.examples[:2])
+    with torch.no_grad():
+        loss, m = runner.loss_fn(runner.module, batch)
+        lp = policy_logprobs(runner.module, batch)
+    nll = nll_loss(lp.chunk(2)[0], batch["loss_mask"].chunk(2)[0])
+    assert m["nll_chosen"] == pytest.approx(float(nll), rel=1e-6)
+    assert float(loss) == pytest.approx(math.log(2) + float(nll), rel=1e-5)  # policy == reference
+    assert m["chosen_logp_change"] == pytest.approx(0.0, abs=1e-5)
+    runner.train()
+    plain = dpo.build(dpo.DPOConfig(out=str(tmp_path / "p"), rpo_alpha=0.0, **base))
+    plain.train()
+    rpo_log = [x["chosen_logp_change"] for x in map(json.loads, (tmp_path / "d" / "metrics.jsonl").open())]
+    dpo_log = [x["chosen_logp_change"] for x in map(json.loads, (tmp_path / "p" / "metrics.jsonl").open())]
+    assert len(rpo_log) == 8 and min(rpo_log) > -1e-4 and rpo_log[-1] > 0.01
+    assert rpo_log[-1] > dpo_log[-1]
 
 
 def test_dpo_lora_reference_is_the_base_model(model_dir, data, tmp_path):
@@ -262,10 +292,12 @@ def test_resume_repeats_the_unbroken_run_exactly(kind, model_dir, data, tmp_path
 def test_online_grpo_samples_with_the_live_policy(model_dir, tmp_path):
     """Each step samples groups through search_many with the current weights; the behaviour
     logprobs recorded by the sampler are the trainer's own logprobs on the exact same ids."""
+    # unconstrained and without dynamic sampling (the random model's groups are all flat):
+    # tests/test_grpo_constrained.py covers constrained rounds, tests/test_grpo_dynamic.py flat groups
     cfg = grpo.GRPOConfig(model=model_dir, out=str(tmp_path / "o"), lr=1e-2, max_steps=2,
-                          progress=False, online={"env": "countdown", "tasks_per_round": 2,
-                                                  "strategy": "best_of_n:n=3", "max_tokens": 8,
-                                                  "max_depth": 1})
+                          progress=False, dynamic_sampling=False,
+                          online={"env": "countdown", "tasks_per_round": 2, "constrain": "none",
+                                  "strategy": "best_of_n:n=3", "max_tokens": 8, "max_depth": 1})
     runner = grpo.build(cfg)
     runner.train()
     logged = [json.loads(x) for x in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]

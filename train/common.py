@@ -8,7 +8,7 @@ from typing import Annotated, Any, Callable, Iterator, Literal, Sequence
 
 from pydantic import AfterValidator, Field
 
-from .data import RowBuilder, collate
+from .data import GrammarMasks, RowBuilder, collate
 from .losses import ADVANTAGES, AGGREGATIONS, DPO_LOSSES
 from .packing import add_layout, model_logprobs
 from .runtime import TrainConfig, is_peft
@@ -38,18 +38,38 @@ def make_builder(cfg: TrainConfig, model: Any, hf_tokenizer: Any) -> RowBuilder:
     return RowBuilder(TurnEncoder(HFChatTokenizer(hf_tokenizer)), vocab, cfg.max_length)
 
 
+def grammar_masks(model: Any, hf_tokenizer: Any) -> GrammarMasks:
+    """Rebuilds the masks of grammar-constrained samples for this model: its vocabulary and the
+    stop tokens the ``hf`` backend allows where a grammar may end (the tokenizer's EOS, the
+    generation config's and the chat format's end of turn), so the masks are the sampler's."""
+    from omrl_search.backends.hf_tokenizer import HFChatTokenizer
+
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    extra = gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]
+    stops = HFChatTokenizer(hf_tokenizer, extra_eos_ids=[i for i in extra if i is not None]).eos_token_ids
+    return GrammarMasks(hf_tokenizer, model.get_input_embeddings().weight.shape[0], stops)
+
+
 def pad_id(hf_tokenizer: Any) -> int:
     return int(hf_tokenizer.pad_token_id if hf_tokenizer.pad_token_id is not None
                else hf_tokenizer.eos_token_id)
 
 
 def layout_collate(cfg: PolicyConfig, pid: int,
-                   collate_fn: Callable[[Sequence[Any], int], dict[str, Any]] = collate
-                   ) -> Callable[[Sequence[Any]], dict[str, Any]]:
+                   collate_fn: Callable[[Sequence[Any], int], dict[str, Any]] = collate,
+                   masks: GrammarMasks | None = None) -> Callable[[Sequence[Any]], dict[str, Any]]:
     """``collate(examples)`` for the Runner: ``collate_fn`` (padded ``[B, T]`` tensors for the
-    losses), then the model inputs of ``cfg.layout``."""
+    losses), then the model inputs of ``cfg.layout``; with ``masks``, the grammar masks of
+    constrained samples (rows of ``collate``: one sequence per example)."""
     def fn(xs: Sequence[Any]) -> dict[str, Any]:
-        return add_layout(collate_fn(xs, pid), cfg.layout, cfg.pack_tokens)
+        batch = add_layout(collate_fn(xs, pid), cfg.layout, cfg.pack_tokens)
+        if masks is not None:
+            extra = masks(xs)
+            stats = extra.pop("stats", None)
+            batch.update(extra)
+            if stats:
+                batch["stats"] = {**batch.get("stats", {}), **stats}
+        return batch
     return fn
 
 

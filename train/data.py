@@ -35,6 +35,9 @@ class TokenRow:
     reward: float = 0.0
     group: int = 0
     advantage: float = 0.0
+    #: ``(start, end, grammar record)``: ``input_ids[start:end]`` were sampled under that grammar
+    #: (their behaviour logprobs are masked ones; :class:`GrammarMasks` rebuilds the masks)
+    grammars: list[tuple[int, int, dict[str, Any]]] | None = None
 
     @property
     def prefix_len(self) -> int:
@@ -72,6 +75,7 @@ class RowBuilder:
         ids: list[int] = []
         mask: list[int] = []
         lps: list[float] = []
+        spans: list[tuple[int, int, dict[str, Any]]] = []
         has = True
         for i, s in enumerate(segs):
             tok = s.get("token_ids")
@@ -86,6 +90,8 @@ class RowBuilder:
                 raise ValueError(f"segment {i}: {len(lp)} logprobs for {len(tok)} tokens")
             if train and lp is None:
                 has = False
+            if train and lp is not None and s.get("grammar"):
+                spans.append((len(ids), len(ids) + len(tok), dict(s["grammar"])))
             ids += tok
             mask += [int(train)] * len(tok)
             lps += [float(x) for x in lp] if lp is not None else [0.0] * len(tok)
@@ -96,7 +102,8 @@ class RowBuilder:
                              + (f" within max_length {self.max_length}" if len(ids) == self.max_length else ""))
         if mask[0]:
             raise ValueError("the first token is trainable (a sequence must start with a prompt)")
-        return TokenRow(ids, mask, lps, has)
+        spans = [(a, min(b, len(ids)), g) for a, b, g in spans if a < len(ids)]
+        return TokenRow(ids, mask, lps, has, grammars=spans or None)
 
     def from_messages(self, messages: Any, train_from: int = 0) -> TokenRow:
         from omrl_search.exports import segments_from_messages
@@ -203,6 +210,55 @@ def load_grpo(paths: Sequence[str | Path], builder: RowBuilder) -> list[TokenRow
         return seq
 
     return _load(paths, [("segments",), ("value", "reward"), ("group_id",)], convert)
+
+
+# --- constrained samples ------------------------------------------------------------------------
+class GrammarMasks:
+    """The token masks a grammar-constrained sampler applied, rebuilt for a batch.
+
+    Under a grammar the sampler draws each token from, and records the logprob of, the masked
+    distribution renormalised over the tokens the grammar allows
+    (:mod:`omrl_search.constrain`). A trainer that recomputed plain ``log_softmax`` logprobs
+    would start every PPO/GRPO update with an importance ratio below 1. For each span a row
+    recorded (:attr:`TokenRow.grammars`), the grammar's matcher walks the span's tokens and
+    gives the bitmask before each one; the forward pass (:func:`train.packing.model_logprobs`)
+    sets the logits outside it to ``-inf`` before the log-softmax. The masker is built on first
+    use (xgrammar) for the trainer's tokenizer, vocabulary and stop tokens, exactly as the
+    ``hf`` backend builds its own, so both see the same masks."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]):
+        self.hf, self.vocab_size, self.stop_ids = hf_tokenizer, int(vocab_size), sorted(stop_ids)
+        self._masker: Any = None
+
+    def masker(self) -> Any:
+        if self._masker is None:
+            from omrl_search.constrain import TokenMasker
+
+            self._masker = TokenMasker.from_hf(self.hf, self.vocab_size, self.stop_ids)
+        return self._masker
+
+    def __call__(self, rows: Sequence[TokenRow]) -> dict[str, Any]:
+        """``grammar_at`` (``[N, 2]``: batch row, position) and ``grammar_bits`` (``[N, W]``
+        int32 bitmasks) for every constrained token of ``rows``, and the count of constrained
+        tokens whose mask could not be rebuilt (the grammar refused them: they keep plain
+        logprobs). Empty when no row was constrained."""
+        import torch
+
+        from omrl_search.constrain import Grammar
+
+        at: list[tuple[int, int]] = []
+        bits: list[Any] = []
+        missed = 0
+        for b, row in enumerate(rows):
+            for start, end, record in row.grammars or ():
+                got, n = self.masker().masks_along(Grammar.from_record(record), row.input_ids[start:end])
+                at += [(b, start + j) for j in range(n)]
+                bits.append(got)
+                missed += end - start - n
+        if not at:
+            return {}
+        return {"grammar_at": torch.tensor(at, dtype=torch.long), "grammar_bits": torch.cat(bits),
+                "stats": {"grammar_tokens": float(len(at)), "grammar_unmatched": float(missed)}}
 
 
 # --- collation -----------------------------------------------------------------------------------

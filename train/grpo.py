@@ -21,6 +21,21 @@
   batch depends on which tasks share an actor, so the samples differ from an in-process run
   (not their distribution). The model folder must exist on every Ray node.
 
+**Dynamic sampling** (DAPO; ``dynamic_sampling: true``, the default for group estimators): a
+group whose rewards are all equal has zero advantage everywhere and would make an update on
+nothing, so such groups are dropped and counted (``groups_flat`` in the metrics) before the
+update. Online, a round then samples more tasks (``tasks_per_round`` at a time) until it has
+``online.min_groups`` informative groups or has sampled ``online.max_sampling_tries`` times,
+and trains on what it has (a round with none after the cap is an error, naming the counts).
+Offline, the flat groups of the file are dropped and counted once.
+
+**Constrained rollouts** (``online.constrain``, ``auto`` by default: the env's grammar where it
+has one): the sampler records each token's logprob under the masked distribution it drew from
+(renormalised over the tokens the grammar allowed); every step's grammar is exported with its
+segment, and the trainer rebuilds the same mask at each of those tokens
+(:class:`train.data.GrammarMasks`) before its log-softmax, so the importance ratio and the KL
+read the same distribution the sample came from: the ratio is exactly 1 at the first update.
+
 ``advantage:`` names the group estimator in :data:`train.losses.ADVANTAGES` (``grpo``: mean-
 and std-normalised per group; ``dr-grpo``: mean-centred only; ``rloo``: leave-one-out baseline)
 and ``agg:`` the loss aggregation in :data:`train.losses.AGGREGATIONS`.
@@ -39,8 +54,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from omrl_search.executors import parse_executor
 
-from .common import (AdvantageName, AggregationName, PolicyConfig, Reference, layout_collate,
-                     make_builder, pad_id, policy_logprobs)
+from .common import (AdvantageName, AggregationName, PolicyConfig, Reference, grammar_masks,
+                     layout_collate, make_builder, pad_id, policy_logprobs)
 from .data import RowBuilder, TokenRow, load_grpo
 from .losses import ADVANTAGES, clip_policy_loss
 from .runtime import ListSource, Runner, TrainError, is_peft, load_model, resolve_model_path
@@ -60,11 +75,13 @@ class OnlineSettings(BaseModel):
     max_tokens: int = Field(64, ge=1)
     max_depth: int | None = Field(None, ge=1)
     budget: str | None = None
-    # Structured decoding while sampling. Off by default: under a grammar the recorded behaviour
-    # logprobs come from the masked, renormalised distribution, while the trainer recomputes
-    # unmasked ones, so the importance ratio would not start at 1 (docs/training.md). Until the
-    # trainer rebuilds each step's mask, constrained rollouts are for search, not for GRPO.
-    constrain: Literal["none", "format", "actions", "auto"] = "none"
+    # structured decoding while sampling (the trainer rebuilds each step's mask: the ratio and
+    # the KL use the masked distribution the tokens were sampled from; docs/training.md)
+    constrain: Literal["none", "format", "actions", "auto"] = "auto"
+    # dynamic sampling: informative (not flat) groups a round needs, None = tasks_per_round,
+    # and how many times a round may sample tasks_per_round tasks to get them
+    min_groups: int | None = Field(None, ge=1)
+    max_sampling_tries: int = Field(4, ge=1)
     executor: str = "local"  # or e.g. "ray:workers=4": sample on Ray actors, weights pushed per round
     ray_address: str | None = None  # join this Ray cluster ("auto", "ray://HEAD:10001")
 
@@ -81,7 +98,9 @@ class GRPOConfig(PolicyConfig):
     kl_coef: float = Field(0.0, ge=0)
     agg: AggregationName = "token-mean"  # a name in train.losses.AGGREGATIONS
     advantage: AdvantageName = "grpo"  # a group estimator in train.losses.ADVANTAGES (grpo, dr-grpo, rloo)
-    drop_flat_groups: bool = False  # drop groups whose rewards are all equal (no signal)
+    # DAPO dynamic sampling: drop (and count) groups whose rewards are all equal (no signal);
+    # online, sample more groups in their place (online.min_groups, online.max_sampling_tries)
+    dynamic_sampling: bool = True
     online: OnlineSettings | None = None
     #: whether the trainer has a value model for estimators registered with needs_values (PPO)
     value_estimators: ClassVar[bool] = False
@@ -102,7 +121,7 @@ def needs_values(advantage: str) -> bool:
 def assign_advantages(rows: list[TokenRow], advantage: str, drop_flat: bool) -> list[TokenRow]:
     """The named group estimator's advantages on the rows (by their ``group``; a value-based
     estimator is left to the trainer's batches), optionally without the groups that carry no
-    signal."""
+    signal (:func:`split_flat`)."""
     import torch
 
     if not rows:
@@ -112,12 +131,26 @@ def assign_advantages(rows: list[TokenRow], advantage: str, drop_flat: bool) -> 
         groups = torch.tensor([r.group for r in rows])
         for r, a in zip(rows, ADVANTAGES[advantage](rewards, groups).tolist()):
             r.advantage = a
-    if drop_flat:
-        spread: dict[int, set[float]] = {}
-        for r in rows:
-            spread.setdefault(r.group, set()).add(r.reward)
-        rows = [r for r in rows if len(spread[r.group]) > 1]
-    return rows
+    return split_flat(rows)[0] if drop_flat else rows
+
+
+def split_flat(rows: list[TokenRow]) -> tuple[list[TokenRow], dict[str, float]]:
+    """``rows`` without the groups whose rewards are all equal (zero reward variance: no
+    advantage, nothing to learn), and the counts ``groups_sampled``, ``groups_flat``,
+    ``groups_kept``."""
+    spread: dict[int, set[float]] = {}
+    for r in rows:
+        spread.setdefault(r.group, set()).add(r.reward)
+    flat = sum(len(v) < 2 for v in spread.values())
+    kept = [r for r in rows if len(spread[r.group]) > 1]
+    return kept, {"groups_sampled": float(len(spread)), "groups_flat": float(flat),
+                  "groups_kept": float(len(spread) - flat)}
+
+
+def drops_flat(cfg: GRPOConfig) -> bool:
+    """Whether dynamic sampling applies: on, with a group estimator (a value model's GAE gets
+    a signal from a flat group too)."""
+    return cfg.dynamic_sampling and not needs_values(cfg.advantage)
 
 
 def policy_loss(cfg: GRPOConfig, reference: Reference | None, model: Any, batch: dict[str, Any],
@@ -150,13 +183,15 @@ class RolloutSource:
     def __init__(self, cfg: GRPOConfig, tasks: list[Any], builder: RowBuilder, hf_tokenizer: Any):
         self.cfg, self.on, self.tasks, self.builder = cfg, cfg.online, tasks, builder
         self.tok = hf_tokenizer
-        self.round, self.cursor = 0, 0
+        self.round, self.cursor, self.passes, self.version = 0, 0, 0, 0
+        self.flat_total = 0.0
         self.pending: list[list[TokenRow]] = []
         self.stats: dict[str, float] = {}
         self.last_fault = ""
         self._policy: Any = None
         self.remote = parse_executor(cfg.online.executor)[0] != "local"
         self._run = uuid.uuid4().hex[:8]  # pushed versions are (run, step): no clash between runs
+        self.reencode: Any = None  # a TurnEncoder to re-encode samples with (tests: scripted policies)
 
     def policy(self, runner: Runner) -> Any:
         """The hf backend over the model being trained (its own copy is dropped at once)."""
@@ -177,74 +212,120 @@ class RolloutSource:
         return f"hf:{os.path.abspath(path)}:dtype=float32" + (f",gguf_file={gguf}" if gguf else "")
 
     def next_batch(self, runner: Runner) -> list[TokenRow] | None:
-        tries = 0
-        while not self.pending:
+        if not self.pending:
             self._rollout(runner)
-            tries += 1
-            if tries >= 10 and not self.pending:
-                why = f" (e.g. {self.last_fault})" if self.last_fault else ""
-                raise TrainError(f"online GRPO: 10 rounds in a row gave no trainable group{why}")
         return self.pending.pop(0)
 
     def _rollout(self, runner: Runner) -> None:
-        from omrl_search import search_many
-        from omrl_search.exports import grpo_rows
-        from omrl_search.types import SamplingParams
-
-        on = self.on
-        tasks = [self.tasks[(self.cursor + i) % len(self.tasks)] for i in range(on.tasks_per_round)]
-        self.cursor = (self.cursor + on.tasks_per_round) % len(self.tasks)
-        search = dict(strategy=on.strategy, budget=on.budget, seed=self.cfg.seed * 100_003 + self.round,
-                      max_depth=on.max_depth, constrain=on.constrain,
-                      sampling=SamplingParams(temperature=on.temperature, max_tokens=on.max_tokens))
-        if self.remote:
-            version = runner.policy_version
-            results = search_many(tasks, policy=self.remote_policy(), executor=on.executor,
-                                  ray_address=on.ray_address,
-                                  policy_weights=((self._run, version), live_weights(runner.module)),
-                                  **search)
-        else:
-            model = runner.module
-            was = model.training
-            model.eval()
-            try:
-                with runner.autocast():
-                    results = search_many(tasks, policy=self.policy(runner), **search)
-            finally:
-                model.train(was)
-        self.round += 1
-        self.last_fault = next((f for r in results for f in r.faults), "")
+        """One round: sampling passes of ``tasks_per_round`` tasks until the round has
+        ``min_groups`` informative groups (dynamic sampling) or any trainable group (without),
+        or ``max_sampling_tries`` passes; then the round's micro-batches."""
+        on, dynamic = self.on, drops_flat(self.cfg)
+        need = (on.min_groups or on.tasks_per_round) if dynamic else 1
         rows: list[TokenRow] = []
-        groups: dict[str, int] = {}
-        for row in grpo_rows(results, unit=on.unit):
-            try:
-                seq = self.builder.from_segments(row["segments"])
-            except ValueError:
-                continue  # e.g. a turn cut to nothing by max_length
-            seq.reward = row["value"]  # the training target (row["reward"] is the env's reward)
-            seq.group = groups.setdefault(row["group_id"], len(groups))
-            rows.append(seq)
-        rows = assign_advantages(rows, self.cfg.advantage, self.cfg.drop_flat_groups)
-        n_mb = on.steps_per_round * self.cfg.grad_accum
+        counts = dict.fromkeys(("groups_sampled", "groups_flat", "groups_kept"), 0.0)
+        results: list[Any] = []
+        passes = 0
+        while counts["groups_kept"] < need and passes < on.max_sampling_tries:
+            got, res = self._sample_pass(runner, offset=1 + max((r.group for r in rows), default=-1))
+            passes += 1
+            results += res
+            if dynamic:
+                got, c = split_flat(got)
+            else:
+                c = {"groups_sampled": float(len({r.group for r in got})), "groups_flat": 0.0}
+                c["groups_kept"] = c["groups_sampled"]
+            for k in counts:
+                counts[k] += c[k]
+            rows += got
+        self.round += 1
+        self.flat_total += counts["groups_flat"]
         self.stats = {"rollout_success": sum(r.success for r in results) / len(results),
                       "rollout_reward": sum(r.reward for r in rows) / len(rows) if rows else 0.0,
-                      "rollout_rows": float(len(rows)), "round": float(self.round)}
+                      "rollout_rows": float(len(rows)), "round": float(self.round),
+                      "sampling_passes": float(passes), **counts, "groups_flat_total": self.flat_total}
         if self.remote:
-            self.stats["pushed_version"] = float(version)
+            self.stats["pushed_version"] = float(self.version)
         if not rows:
-            return
+            why = f"; e.g. {self.last_fault}" if self.last_fault else ""
+            raise TrainError(f"online GRPO: {passes} sampling passes gave no trainable group "
+                             f"({int(counts['groups_sampled'])} groups, {int(counts['groups_flat'])} "
+                             f"with equal rewards{why})")
+        rows = assign_advantages(rows, self.cfg.advantage, False)
+        n_mb = on.steps_per_round * self.cfg.grad_accum
         random.Random(self.cfg.seed * 7919 + self.round).shuffle(rows)
         size = -(-len(rows) // n_mb)  # the round's rows split evenly (cycled when too few)
         cyc = rows * (1 + (size * n_mb) // len(rows))
         self.pending = [cyc[i * size:(i + 1) * size] for i in range(n_mb)]
 
+    def _sample_pass(self, runner: Runner, offset: int) -> tuple[list[TokenRow], list[Any]]:
+        """Search the next ``tasks_per_round`` tasks with the live weights: their GRPO rows
+        (groups numbered from ``offset``) and the results."""
+        from omrl_search.exports import grpo_rows
+
+        on = self.on
+        tasks = [self.tasks[(self.cursor + i) % len(self.tasks)] for i in range(on.tasks_per_round)]
+        self.cursor = (self.cursor + on.tasks_per_round) % len(self.tasks)
+        results = self._search(runner, tasks, self.cfg.seed * 100_003 + self.passes)
+        self.passes += 1
+        check_grammars_recorded(results)
+        self.last_fault = next((f for r in results for f in r.faults), self.last_fault)
+        rows: list[TokenRow] = []
+        groups: dict[str, int] = {}
+        for row in grpo_rows(results, unit=on.unit, tokenizer=self.reencode):
+            try:
+                seq = self.builder.from_segments(row["segments"])
+            except ValueError:
+                continue  # e.g. a turn cut to nothing by max_length
+            seq.reward = row["value"]  # the training target (row["reward"] is the env's reward)
+            seq.group = offset + groups.setdefault(row["group_id"], len(groups))
+            rows.append(seq)
+        return rows, results
+
+    def _search(self, runner: Runner, tasks: list[Any], seed: int) -> list[Any]:
+        """The searches of one sampling pass, with the trainer's current policy."""
+        from omrl_search import search_many
+        from omrl_search.types import SamplingParams
+
+        on = self.on
+        search = dict(strategy=on.strategy, budget=on.budget, seed=seed, max_depth=on.max_depth,
+                      constrain=on.constrain,
+                      sampling=SamplingParams(temperature=on.temperature, max_tokens=on.max_tokens))
+        if self.remote:
+            self.version = runner.policy_version
+            return search_many(tasks, policy=self.remote_policy(), executor=on.executor,
+                               ray_address=on.ray_address,
+                               policy_weights=((self._run, self.version), live_weights(runner.module)),
+                               **search)
+        model = runner.module
+        was = model.training
+        model.eval()
+        try:
+            with runner.autocast():
+                return search_many(tasks, policy=self.policy(runner), **search)
+        finally:
+            model.train(was)
+
     def state_dict(self) -> dict[str, Any]:
         return {"round": self.round, "cursor": self.cursor, "pending": self.pending,
-                "stats": self.stats}
+                "stats": self.stats, "passes": self.passes, "flat_total": self.flat_total}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.round, self.cursor = state["round"], state["cursor"]
         self.pending, self.stats = state["pending"], state["stats"]
+        self.passes = state.get("passes", self.round)
+        self.flat_total = state.get("flat_total", 0.0)
+
+
+def check_grammars_recorded(results: list[Any]) -> None:
+    """Refuse constrained samples whose steps do not say which grammar they were sampled under
+    (an engine that does not set ``Step.grammar``): their masked logprobs could not be
+    recomputed and every ratio would be off."""
+    constrained = sum(int((r.constraint or {}).get(k, 0) or 0) for r in results for k in ("actions", "format"))
+    if constrained and not any(n.step is not None and n.step.grammar for r in results for n in r.tree.nodes):
+        raise TrainError("online GRPO: constrained samples carry no Step.grammar (the engine did not "
+                         "record it), so their masked logprobs cannot be recomputed; set "
+                         "online.constrain=none")
 
 
 def live_weights(module: Any) -> dict[str, Any]:
@@ -262,14 +343,23 @@ def live_weights(module: Any) -> dict[str, Any]:
 
 
 def make_source(cfg: GRPOConfig, model: Any, tok: Any) -> tuple[Any, int | None]:
-    """(batch source, total steps) for offline data or online sampling."""
+    """(batch source, total steps) for offline data or online sampling. Offline with dynamic
+    sampling, the file's flat groups are dropped and counted (``source.stats``, logged with
+    every step)."""
     builder = make_builder(cfg, model, tok)
     if cfg.online is None:
-        rows = assign_advantages(load_grpo(cfg.data, builder), cfg.advantage,
-                                 cfg.drop_flat_groups)
+        rows = assign_advantages(load_grpo(cfg.data, builder), cfg.advantage, False)
+        counts: dict[str, float] = {}
+        if drops_flat(cfg):
+            rows, counts = split_flat(rows)
         if len(rows) < cfg.batch_size:
-            raise TrainError(f"{len(rows)} GRPO rows (after filtering) cannot fill a batch of {cfg.batch_size}")
-        return ListSource(rows, cfg.batch_size, seed=cfg.seed), None
+            flat = f", {int(counts['groups_flat'])} of {int(counts['groups_sampled'])} groups " \
+                   "had equal rewards" if counts else ""
+            raise TrainError(f"{len(rows)} GRPO rows (after filtering{flat}) cannot fill a batch "
+                             f"of {cfg.batch_size}")
+        source = ListSource(rows, cfg.batch_size, seed=cfg.seed)
+        source.stats = counts  # type: ignore[attr-defined]
+        return source, None
     if cfg.max_steps is None:
         raise TrainError("online GRPO needs max_steps (rounds x steps_per_round)")
     if parse_executor(cfg.online.executor)[0] == "local":
@@ -290,15 +380,16 @@ def make_source(cfg: GRPOConfig, model: Any, tok: Any) -> tuple[Any, int | None]
     return RolloutSource(cfg, tasks, builder, tok), cfg.max_steps
 
 
-def with_stats(source: Any, cfg: GRPOConfig, pid: int):
-    """collate that also carries the latest rollout statistics into the logged metrics."""
-    collate = layout_collate(cfg, pid)
+def with_stats(source: Any, cfg: GRPOConfig, pid: int, masks: Any = None):
+    """collate (with the grammar masks of constrained samples) that also carries the latest
+    rollout statistics into the logged metrics."""
+    collate = layout_collate(cfg, pid, masks=masks)
 
     def fn(xs: list[TokenRow]) -> dict[str, Any]:
         batch = collate(xs)
         stats = getattr(source, "stats", None)
         if stats:
-            batch["stats"] = dict(stats)
+            batch["stats"] = {**batch.get("stats", {}), **stats}
         return batch
     return fn
 
@@ -307,7 +398,8 @@ def build(cfg: GRPOConfig) -> Runner:
     model, tok = load_model(cfg)
     reference = Reference(model) if cfg.kl_coef else None
     source, total = make_source(cfg, model, tok)
-    return Runner(cfg, model, grpo_loss_fn(cfg, reference), source, with_stats(source, cfg, pad_id(tok)),
+    collate = with_stats(source, cfg, pad_id(tok), grammar_masks(model, tok))
+    return Runner(cfg, model, grpo_loss_fn(cfg, reference), source, collate,
                   tokenizer=tok, kind="grpo", total_steps=total)
 
 

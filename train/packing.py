@@ -30,7 +30,9 @@ GRPO (two rows of a group) 12.2, 10.8, 11.2, 5.1. Concatenating sequences costs 
 ``packed`` pays only when sequences are short and uneven; ``shared-prefix`` is the default.
 
 In both packed layouts tokens after a sequence's last loss token are left out (nothing reads
-them). A batch without layout keys (``data.collate`` alone) gets the plain path: full logits over
+them). Tokens sampled under a grammar (a batch with ``grammar_at`` / ``grammar_bits``, from
+:class:`train.data.GrammarMasks`) get the log-softmax over the tokens the grammar allowed there,
+the distribution they were sampled from, in every layout. A batch without layout keys (``data.collate`` alone) gets the plain path: full logits over
 every position (kept as the reference the tests compare against).
 """
 from __future__ import annotations
@@ -203,12 +205,37 @@ def model_logprobs(model: Any, batch: dict[str, Any], *, hidden: bool = False
     picked = logits[rows, ids[tb, tt]] - torch.logsumexp(logits, dim=-1)[rows]
     lp = torch.zeros(B, T, dtype=torch.float32, device=ids.device)
     lp[tb, tt] = picked
+    if "grammar_at" in batch:
+        gb, gt = batch["grammar_at"].unbind(-1)
+        _masked_logprobs(lp, logits[compact[batch["index"][gb, gt - 1]]], ids, batch)
     h = None
     if hidden:
         last = out.hidden_states[-1]
         h = torch.zeros(B, T, last.shape[-1], dtype=last.dtype, device=ids.device)
         h[tb, tt] = last.reshape(R * N, -1)[src]
     return lp, h
+
+
+def _masked_logprobs(lp: Tensor, logits: Tensor, ids: Tensor, batch: dict[str, Any]) -> None:
+    """Overwrite ``lp`` at the constrained positions ``batch["grammar_at"]`` (whose predicting
+    ``logits`` are given, one row each) with the log-softmax over the tokens the grammar allowed
+    there (``batch["grammar_bits"]``, xgrammar's int32 bitmasks): the distribution the sampler
+    drew from and recorded (:class:`train.data.GrammarMasks`)."""
+    gb, gt = batch["grammar_at"].unbind(-1)
+    allowed = unpack_bitmask(batch["grammar_bits"], logits.shape[-1])
+    masked = logits.masked_fill(~allowed, float("-inf"))
+    tok = ids[gb, gt]
+    lp[gb, gt] = masked.gather(-1, tok[:, None]).squeeze(-1) - torch.logsumexp(masked, dim=-1)
+
+
+def unpack_bitmask(bits: Tensor, vocab: int) -> Tensor:
+    """``[N, W]`` int32 bitmasks (bit ``t % 32`` of word ``t // 32`` = token ``t`` allowed) as a
+    ``[N, vocab]`` boolean tensor (tokens past the bitmask's width are not allowed)."""
+    shifts = torch.arange(32, device=bits.device, dtype=torch.int32)
+    flat = ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
+    if flat.shape[1] >= vocab:
+        return flat[:, :vocab]
+    return torch.nn.functional.pad(flat, (0, vocab - flat.shape[1]))
 
 
 def _for_attention(model: Any, mask: Tensor) -> Tensor:
@@ -234,6 +261,9 @@ def _full_path(model: Any, batch: dict[str, Any], hidden: bool) -> tuple[Tensor,
         kw["attention_mask"] = batch["attention_mask"]
     out = model(**kw, output_hidden_states=hidden)
     lp = sequence_logprobs(out.logits, batch["input_ids"])
+    if "grammar_at" in batch:
+        gb, gt = batch["grammar_at"].unbind(-1)
+        _masked_logprobs(lp, out.logits[gb, gt - 1].float(), batch["input_ids"], batch)
     if not hidden:
         return lp, None
     return lp, torch.nn.functional.pad(out.hidden_states[-1][:, :-1], (0, 0, 1, 0))

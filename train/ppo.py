@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from .common import AdvantageName, Reference, pad_id
+from .common import AdvantageName, Reference, grammar_masks, pad_id
 from .grpo import GRPOConfig, grpo_loss_fn, make_source, needs_values, policy_loss, with_stats
 from .losses import ADVANTAGES, value_loss
 from .packing import model_logprobs
@@ -111,8 +111,9 @@ def build(cfg: PPOConfig) -> Runner:
     lm, tok = load_model(cfg)
     source, total = make_source(cfg, lm, tok)
     reference = Reference(lm) if cfg.kl_coef else None
+    collate = with_stats(source, cfg, pad_id(tok), grammar_masks(lm, tok))
     if not needs_values(cfg.advantage):
-        return Runner(cfg, lm, grpo_loss_fn(cfg, reference), source, with_stats(source, cfg, pad_id(tok)),
+        return Runner(cfg, lm, grpo_loss_fn(cfg, reference), source, collate,
                       tokenizer=tok, kind="ppo", total_steps=total)
     model = value_model(lm)
     merge = cfg.lora is None or cfg.lora.merge
@@ -121,7 +122,7 @@ def build(cfg: PPOConfig) -> Runner:
     def save(m: Any, folder: str) -> None:
         save_value_model(m, folder, merge=bool(runner and runner.saving_final and merge))
 
-    runner = Runner(cfg, model, ppo_loss_fn(cfg, reference), source, with_stats(source, cfg, pad_id(tok)),
+    runner = Runner(cfg, model, ppo_loss_fn(cfg, reference), source, collate,
                     tokenizer=tok, kind="ppo", total_steps=total, save_fn=save, load_fn=load_value_model)
     return runner
 
