@@ -354,6 +354,41 @@ def test_llamacpp_bad_grammar_names_it_for_both_engines(llama) -> None:
     llama.grammar_engine, llama._grammar = "auto", None
 
 
+def test_masks_along_replays_the_samplers_masks(tiny_hf_model: str) -> None:
+    """What a trainer rebuilds: the bitmask before each token of a completion (as the sampler's
+    matcher gave it), the walk ending at the first token the grammar refuses; the record a
+    Step holds rebuilds the same grammar."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from train.packing import unpack_bitmask
+
+    hf_tok = AutoTokenizer.from_pretrained(tiny_hf_model)
+    V = len(hf_tok)
+    eos = hf_tok.convert_tokens_to_ids("<|im_end|>")
+    masker = TokenMasker.from_hf(hf_tok, V, [eos])
+    grammar = grammars()["game24"]
+    assert Grammar.from_record(grammar.to_record()) == grammar
+    with pytest.raises(GrammarError, match="not a grammar record"):
+        Grammar.from_record({**grammar.to_record(), "extra": 1})
+    ids = hf_tok.encode("Think: 4 * 6\nAct: answer (4 + 6) * 8/3", add_special_tokens=False) + [eos]
+    bits, n = masker.masks_along(grammar, ids)
+    assert n == len(ids) and bits.shape == (n, (V + 31) // 32)
+    allowed = unpack_bitmask(bits, V)
+    guide = masker.matcher(grammar)
+    for j, t in enumerate(ids):
+        want = torch.zeros(1, V)
+        masker.mask(want, [guide])
+        assert torch.equal(allowed[j], want[0] > float("-inf"))
+        assert allowed[j, t]
+        if j + 1 < len(ids):
+            guide.accept(t)
+    assert allowed[-1].sum() < V and allowed[-1, eos]  # complete: EOS allowed
+    bad = hf_tok.encode("Think: x\nAct: look", add_special_tokens=False)
+    _, k = masker.masks_along(grammar, bad)
+    assert 0 < k < len(bad)  # "look" is no Game24 action: the walk stops there
+
+
 def test_generation_defaults_keep_old_constructors() -> None:
     g = Generation("x", [1], [-0.1], 3, 1)
     assert (g.constraint, g.constraint_check, g.constrained) == ("none", "", False)
