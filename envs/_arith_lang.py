@@ -6,7 +6,8 @@
   whose integers are the task's numbers. Every ``a op b`` the env accepts as valid is in the
   language and every ``a op b`` in it is valid; ``answer`` expressions are a subset of what the
   env reads (one space around each operator, no unary minus), and using every number exactly
-  once is left to the env to judge.
+  once is left to the env to judge. With one number left (the answer step waiting for the
+  expression) no ``a op b`` remains, so the language is ``answer EXPR`` alone.
 * :func:`explain` says what a move computes, what is left, and how the target is still reached
   (the solver's plan for the rest), in one of a few wordings.
 """

@@ -206,6 +206,11 @@ def test_env_grammars_parse_as_gbnf():
                 if action is None or env.step(action).done:
                     break
         env.close()
+    env = make_env("game24")  # the answer step's state: only `answer EXPR` is left
+    env.reset(env.task_from_dict({"numbers": [1, 5, 5, 5], "answer_step": True}))
+    for action in ("1 / 5", "5 - 1/5", "24/5 * 5"):
+        env.step(action)
+    texts[env.action_grammar()] = "game24"
     assert {"game24", "countdown", "sql", "os", "webshop"} <= set(texts.values())
     for rules, name in texts.items():
         sampler = ll.llama_sampler_init_grammar(vocab, Grammar.from_rules(rules, source=name).text.encode(), b"root")
