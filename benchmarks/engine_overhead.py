@@ -38,6 +38,7 @@ import omrl_search as om  # noqa: E402
 from envs.arith import fmt  # noqa: E402
 from envs.game24 import Game24Env  # noqa: E402
 from omrl_search.engine import Engine  # noqa: E402
+from omrl_search.env import ValueSnapshots  # noqa: E402
 from omrl_search.policy import ByteChatTokenizer  # noqa: E402
 from omrl_search.tree import FAILED  # noqa: E402
 
@@ -58,6 +59,8 @@ class ZeroCostPolicy(om.Policy):
 
     name, max_batch = "zero-cost", 1 << 30
     answers_prompts = False
+    shares_prefixes = False  # no KV cache: the engine need not sort prompts for it
+    reads_messages = False  # reads the snapshot only: step requests need no chat messages
 
     def __init__(self):
         self.tokenizer = ByteChatTokenizer()
@@ -95,7 +98,7 @@ def env_calls(results) -> list[tuple]:
     return out
 
 
-def env_seconds(results) -> tuple[float, int]:
+def env_seconds(results, env_cls=Game24Env) -> tuple[float, int]:
     """CPU time of the searches' env work, measured apart: each tree's calls (reset and
     snapshot, then restore, step and snapshot per node, as the engine made them) replayed on a
     fresh env under one clock pair. Timing every call inside the search would add two clock
@@ -103,7 +106,7 @@ def env_seconds(results) -> tuple[float, int]:
     trees = env_calls(results)
     t0 = CLOCK()
     for task, steps in trees:
-        env = Game24Env()
+        env = env_cls()
         env.reset(task)
         env.snapshot()
         for snap, action in steps:
@@ -145,6 +148,66 @@ def measure(name: str, strategy: str, tasks, profile: bool) -> dict:
             "trees_with_success": sum(any(n.success for n in r.tree.nodes) for r in results)}
 
 
+class LineEnv(ValueSnapshots, om.Env):
+    """A walk where every action leads to a new state (``(depth, action)``), finished at
+    depth ``max_steps``: trees as large as asked, at a fixed depth, for the scaling rows."""
+
+    name, max_steps = "overhead_line", 12
+    action_help = "Actions: `step N`."
+
+    def reset(self, task) -> str:
+        self.state = (0, "")
+        return self.observe()
+
+    def observe(self) -> str:
+        return f"Depth {self.state[0]}, last {self.state[1]!r}."
+
+    def step(self, action: str) -> om.StepResult:
+        depth = self.state[0] + 1
+        self.state = (depth, action)
+        return om.StepResult(self.observe(), 0.0, terminated=depth >= self.max_steps)
+
+
+class LinePolicy(ZeroCostPolicy):
+    """``step N`` with a random N: distinct children, fixed token ids, ~no cost."""
+
+    def generate(self, requests):
+        t0 = CLOCK()
+        out = []
+        for req in requests:
+            rng = random.Random(req.params.seed)
+            prompt = len(req.prompt_ids) if req.prompt_ids is not None else 0
+            out.append([om.Generation(f"Think: go.\nAct: step {rng.randrange(10**9)}", [7] * 8,
+                                      [-0.3] * 8, prompt, 8, "stop", True)
+                        for _ in range(req.params.n)])
+        self.seconds += CLOCK() - t0
+        return out
+
+
+def scaling_specs(nodes: int) -> dict[str, str]:
+    """One tree of about ``nodes`` nodes per strategy, at depth <= 12: beam's width and MCTS's
+    simulations grow with the size (DFS stops at the engine's node cap)."""
+    return {"beam": f"beam:width={max(1, nodes // 36)},k=3,value=logprob",
+            "mcts": f"mcts:simulations={nodes},leaves=16,k=3,value=logprob",
+            "dfs": "tot:method=dfs,k=3,evaluator=logprob"}
+
+
+def measure_scaling(name: str, spec: str, nodes: int) -> dict:
+    """One search of one :class:`LineEnv` task capped at ``nodes`` nodes: µs per node of the
+    engine + strategy (the env replayed and the policy's clock subtracted, as above)."""
+    policy = LinePolicy()
+    engine = Engine(policy, seed=0, env_factory=lambda _: LineEnv(), max_nodes=nodes)
+    task = om.Task(LineEnv.name, "line-0", instruction="Walk.")
+    t0 = CLOCK()
+    (result,) = engine.run(om.make_strategy(spec), [task])
+    cpu = CLOCK() - t0
+    env_s, _ = env_seconds([result], LineEnv)
+    made = len(result.tree) - 1
+    return {"strategy": name, "cap": nodes, "nodes": made, "cpu_s": round(cpu, 4),
+            "engine_us_per_node": round(1e6 * (cpu - env_s - policy.seconds) / made, 2),
+            "stop_reason": result.stop_reason}
+
+
 def workloads(simulations: int) -> dict[str, str]:
     """The strategy specs timed here, by name."""
     return {"mcts": f"mcts:simulations={simulations},leaves=4,k=3,value=rollout",
@@ -159,7 +222,21 @@ def main() -> None:
     ap.add_argument("--simulations", type=int, default=200)
     ap.add_argument("--repeat", type=int, default=5, help="runs per workload; the fastest is kept")
     ap.add_argument("--profile", action="store_true", help="also print cProfile's top functions")
+    ap.add_argument("--scaling", default="", metavar="N,N,...",
+                    help="instead: engine µs per node of one tree of each size (e.g. 1000,10000,100000)")
     args = ap.parse_args()
+    if args.scaling:
+        rows = []
+        for size in (int(x) for x in args.scaling.split(",")):
+            for name, spec in scaling_specs(size).items():
+                runs = [measure_scaling(name, spec, size) for _ in range(max(args.repeat, 1))]
+                rows.append(min(runs, key=lambda r: r["cpu_s"]))
+                r = rows[-1]
+                print(f"{name:5} cap {size:>7} nodes {r['nodes']:>7} engine µs/node "
+                      f"{r['engine_us_per_node']:>7} ({r['stop_reason']})", flush=True)
+        print(json.dumps({"benchmark": "engine_overhead_scaling", "python": platform.python_version(),
+                          "load_average": os.getloadavg()[0], "rows": rows}))
+        return
     tasks = om.load_tasks("game24", "test", limit=args.tasks)
     runs = workloads(args.simulations)
     rows = {name: min((measure(name, spec, tasks, args.profile) for _ in range(max(args.repeat, 1))),

@@ -236,6 +236,8 @@ def check_prompts(tasks) -> int:
     seen = []
 
     class Recording(eo.ZeroCostPolicy):
+        reads_messages = True  # the messages are what is checked
+
         def generate(self, requests):
             seen.extend(requests)
             out = super().generate(requests)

@@ -36,7 +36,9 @@ makes (nodes, steps, snapshots, id lists) lives as long as its tree, so the cycl
 collector's passes over them find nothing; during :meth:`Engine.run` its thresholds are raised
 (:func:`fewer_collections`: young collections every 50,000 allocations, full ones rarely),
 restored after. Prompts are sorted by prefix only for policies that gain from it (not those
-that set ``shares_prefixes = False``), and request seeds hash the search's seed once.
+that set ``shares_prefixes = False``), step requests carry no chat messages for policies that
+read token ids only (``reads_messages = False``), and request seeds hash the search's seed once
+(:class:`~omrl_search.ops.Seeds`).
 """
 from __future__ import annotations
 
@@ -143,6 +145,8 @@ class Engine:
             tree = SearchTree(task, obs, snap)
             envs = EnvDriver(env, tree, b, [], self.max_depth or getattr(env, "max_steps", 20))
             prompts = self.format.prompts(env, task, tree, self.encoder)
+            if self.encoder is not None and not getattr(self.policy, "reads_messages", True):
+                prompts.chat = False  # token ids only: no chat messages per step
             constraint = Constraint(self.constrain, self._mode, prompts, envs, self._mode_note)
         except Exception as exc:
             if envs is not None:

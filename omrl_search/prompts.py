@@ -48,15 +48,19 @@ Messages = list[dict[str, str]]
 class Prompts:
     """One search's prompts in an agent format: step prompts per node, ask prompts, steps parsed.
 
-    ``stop`` is the format's stop strings (used when the sampling parameters name none)."""
+    ``stop`` is the format's stop strings (used when the sampling parameters name none).
+    ``chat``: build each step's chat messages; the engine turns it off for a policy that reads
+    only token ids (``reads_messages = False``), whose step requests then carry no messages
+    (``[]``), so neither the messages nor their per-node cache are made."""
 
-    __slots__ = ("format", "encoder", "env", "task", "tree", "stop", "_messages")
+    __slots__ = ("format", "encoder", "env", "task", "tree", "stop", "_messages", "chat")
 
     def __init__(self, fmt: "ReActFormat", encoder: "TurnEncoder | None", env: Any, task: Task,
                  tree: "SearchTree"):
         self.format, self.encoder, self.env, self.task, self.tree = fmt, encoder, env, task, tree
         self.stop: tuple[str, ...] = fmt.stop
         self._messages: dict[int, Messages] = {}
+        self.chat = True
 
     def messages(self, node: "Node") -> Messages:
         """The chat up to ``node``'s observation (without notes), cached per node."""
@@ -75,6 +79,10 @@ class Prompts:
         """The prompt for a step from ``node`` (``note`` added to its last turn): messages,
         the ids this step adds (``Step.context_ids``) and the whole prompt's ids (None and None
         without a tokenizer)."""
+        if not self.chat and self.encoder is not None and node.parent is not None:
+            last = self.format.observation_message(node.observation, note)["content"]
+            context_ids = self.encoder.observation_turn(last, node.step.completion_ids or [])
+            return [], context_ids, self.prompt_ids(node, context_ids)
         messages = self.messages(node)
         if note:
             last = (self.format.first_messages(self.env, self.task, node.observation, note)[-1]
@@ -92,6 +100,8 @@ class Prompts:
         tokenizer."""
         if self.encoder is None:
             return None
+        if messages is None and not self.chat and node.parent is not None:
+            messages = [self.format.observation_message(node.observation)]
         if messages is None:
             messages = self.messages(node)
         if node.parent is None:

@@ -223,3 +223,26 @@ def test_mcts_values_a_finished_leaf_once():
         finished = [n for n in r.tree.nodes if n.terminal and n.visits > 1]
         assert finished  # chosen again (backed up more than once)...
         assert r.tree.root.visits == sum(r.tree.nodes[c].visits for c in r.tree.root.children)
+
+
+@pytest.mark.parametrize("strategy", ["mcts:simulations=12,leaves=2,k=2,value=rollout,reflect=true",
+                                      "tot:b=2,k=2", "dfsdt"])
+def test_a_policy_that_reads_ids_only_gets_the_same_prompt_ids_and_trees(strategy):
+    """``reads_messages = False``: step requests carry no chat messages (ask prompts still do),
+    and the prompt ids, the recorded context ids and the trees are those of a chat reader."""
+
+    class IdsOnly(Recording):
+        reads_messages = False
+
+    tasks = om.load_tasks("game24", "test", limit=3)
+    chat, ids = Recording(p=0.5), IdsOnly(p=0.5)
+    a = om.search_many(tasks, policy=chat, strategy=strategy, seed=2)
+    b = om.search_many(tasks, policy=ids, strategy=strategy, seed=2)
+    assert [r.to_dict()["tree"] for r in a] == [r.to_dict()["tree"] for r in b]
+    sent = [[(q.prompt_ids, q.params.seed) for q in batch] for batch in chat.batches]
+    assert sent == [[(q.prompt_ids, q.params.seed) for q in batch] for batch in ids.batches]
+    steps = [q for batch in ids.batches for q in batch if not q.meta.get("ask")]
+    roots = {id(r.tree.root.snapshot) for r in b}
+    later = [q for q in steps if id(q.meta["snapshot"]) not in roots]
+    assert later and all(q.messages == [] for q in later)  # only a root's request has its chat
+    assert all(q.messages for batch in chat.batches for q in batch)
