@@ -8,9 +8,23 @@ max_tokens 64, seeded. Scenarios (one ``generate`` call each, like one engine ro
 * ``b8n4``   8 prompts, n=4 (32 sequences: best-of-N / expansion of 8 nodes by 4 children)
 * ``turn2``  16 prompts, then the second turn of each (prompt + its completion + an
   observation): what a ReAct rollout does every round; both calls are timed.
+* ``mcts``, ``tot``: the policy calls of whole searches, ``search_many`` over the first
+  ``--search-tasks`` Game24 test tasks together (``--mcts`` / ``--tot`` specs, budget
+  ``--search-budget`` per task, ``--search-max-tokens`` new tokens per step at temperature 1,
+  seed = repetition): the load a prefix cache across calls is for, as every child's prompt
+  extends its parent's. The search runs once on the first backend, recording every
+  ``generate`` call; each backend then replays the recorded calls in order (the same prompts,
+  seeds and call sizes for all: a backend whose logits differ a little, as llama.cpp's do with
+  and without reuse, would otherwise grow a different tree). Besides the tokens per second
+  these report the prompt tokens, those the backend computed (``prefill``) and those its prefix
+  cache served (``cached``).
 
 Backends: ``hf`` (transformers on the HF folder converted from the GGUF) in bfloat16 and in
-float32, and ``llamacpp`` (llama.cpp on the Q4_1 GGUF itself). Every backend runs each scenario
+float32, ``llamacpp`` (llama.cpp on the Q4_1 GGUF itself, its prefix cache across calls on) and
+``llamacpp-nocache`` (the same with ``prefix_cache=off``: every call prefills its prompts in
+full; within a call, samples and shared prefixes are still evaluated once) and
+``llamacpp-streams`` (cache on, ``prefix_cache_mb=0``: only the live KV streams are reused, no
+saved states). Every backend runs each scenario
 ``--reps`` times, interleaved, in one process; the best repetition counts (ratios hold on a noisy
 machine, the best time is the least disturbed one). llama.cpp's KV cache is cleared before each
 repetition so that no repetition reuses the previous one's prompts.
@@ -25,7 +39,8 @@ OpenMP threads wait passively (``OMP_WAIT_POLICY=PASSIVE``, set here unless give
 llama.cpp both spin by default, and on a busy machine spinning made 2 threads several times slower
 than 1 (llama.cpp up to 10x); passive waiting removes that for both.
 
-Run: ``python benchmarks/backend_throughput.py [--reps 2] [--threads 1] [--scenarios b1,b8,...]``.
+Run: ``python benchmarks/backend_throughput.py [--reps 2] [--threads 1] [--scenarios b1,b8,...]``;
+the prefix cache on a search: ``--backends llamacpp,llamacpp-nocache --scenarios mcts``.
 Prints a table, then as its last line one JSON object with every figure.
 """
 from __future__ import annotations
@@ -86,6 +101,58 @@ def requests(policy, count: int, n: int, seed: int) -> list[GenRequest]:
     return out
 
 
+SEARCH = {"mcts": "mcts:leaves=4,k=3,value=logprob", "tot": "tot:b=3,k=3,n_evaluate=1"}
+
+
+_RECORDED: dict[tuple[str, int], tuple[list, dict]] = {}  # (scenario, seed) -> (calls, search)
+
+
+def record_search(policy, name: str, seed: int, args) -> tuple[list, dict]:
+    """Run the search once on ``policy`` and record its ``generate`` calls (cached by seed)."""
+    import omrl_search as om
+
+    if (name, seed) in _RECORDED:
+        return _RECORDED[name, seed]
+    tasks = om.load_tasks("game24", "test", limit=args.search_tasks)
+    sampling = SamplingParams(temperature=1.0, max_tokens=args.search_max_tokens)
+    calls: list = []
+    generate = policy.generate
+    policy.generate = lambda reqs: calls.append(list(reqs)) or generate(reqs)
+    t0, c0 = time.perf_counter(), time.process_time()
+    try:
+        results = om.search_many(tasks, strategy=getattr(args, name), policy=policy, seed=seed,
+                                 budget=args.search_budget, sampling=sampling)
+    finally:
+        del policy.generate
+    info = {k: sum(int(r.spent.get(k, 0)) for r in results)
+            for k in ("prompt_tokens", "completion_tokens", "cached_tokens", "lm_calls")}
+    info.update(solved=sum(bool(r.success) for r in results), tasks=len(tasks),
+                faults=sum(len(r.faults) for r in results), calls=len(calls),
+                seconds=round(time.perf_counter() - t0, 2), cpu_seconds=round(time.process_time() - c0, 2))
+    print(f"  recorded {name} (seed {seed}) on {getattr(policy, 'name', '?')}: {info}", file=sys.stderr)
+    _RECORDED[name, seed] = calls, info
+    return calls, info
+
+
+def run_search(policy, name: str, seed: int, args, first) -> tuple[int, int, float, float, dict]:
+    """One search scenario: the recorded calls replayed on ``policy``; (generated tokens,
+    prompt tokens, wall s, CPU s, details)."""
+    calls, info = record_search(first, name, seed, args)
+    if hasattr(policy, "_reset_kv"):
+        policy._reset_kv()
+    d = {"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0, "calls": len(calls),
+         "search": info}
+    t0, c0 = time.perf_counter(), time.process_time()
+    for reqs in calls:
+        for gs in policy.generate(reqs):
+            d["prompt_tokens"] += gs[0].prompt_tokens
+            d["cached_tokens"] += gs[0].cached_tokens
+            d["completion_tokens"] += sum(g.completion_tokens for g in gs)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    d["prefill_tokens"] = d["prompt_tokens"] - d["cached_tokens"]
+    return d["completion_tokens"], d["prompt_tokens"], wall, cpu, d
+
+
 def run_scenario(policy, name: str, seed: int) -> tuple[int, int, float, float]:
     """Returns (generated tokens, prompt tokens, wall seconds, CPU seconds) for one repetition."""
     counts = {"b1": (1, 1), "b8": (8, 1), "b32": (32, 1), "b8n4": (8, 4), "turn2": (16, 1)}
@@ -116,6 +183,11 @@ def main() -> None:
     ap.add_argument("--scenarios", default="b1,b8,b32,b8n4,turn2")
     ap.add_argument("--backends", default="hf-bf16,hf-fp32,llamacpp")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--search-tasks", type=int, default=4)
+    ap.add_argument("--search-budget", default="tokens=8000")
+    ap.add_argument("--search-max-tokens", type=int, default=32)
+    ap.add_argument("--mcts", default=SEARCH["mcts"])
+    ap.add_argument("--tot", default=SEARCH["tot"])
     args = ap.parse_args()
     scenarios = args.scenarios.split(",")
 
@@ -133,10 +205,12 @@ def main() -> None:
             policies[b] = HFPolicy(smollm2.hf_folder(), device="cpu", dtype="bfloat16")
         elif b == "hf-fp32":
             policies[b] = HFPolicy(smollm2.hf_folder(), device="cpu", dtype="float32")
-        elif b == "llamacpp":
+        elif b in ("llamacpp", "llamacpp-nocache", "llamacpp-streams"):
             from omrl_search.backends.llamacpp import LlamaCppPolicy
 
-            policies[b] = LlamaCppPolicy(smollm2.gguf_path(), n_threads=args.threads)
+            policies[b] = LlamaCppPolicy(smollm2.gguf_path(), n_threads=args.threads,
+                                         prefix_cache=b != "llamacpp-nocache",
+                                         prefix_cache_mb=0 if b == "llamacpp-streams" else 256)
         else:
             raise SystemExit(f"unknown backend {b}")
         print(f"loaded {b} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
@@ -146,15 +220,25 @@ def main() -> None:
     load0 = os.getloadavg()[0]
     best: dict[tuple[str, str], tuple[int, int, float, float]] = {}
     best_cpu: dict[tuple[str, str], float] = {}  # best generated tokens per CPU-second
+    searched: dict[tuple[str, str], dict] = {}  # search scenarios: the best repetition's details
     for sc in scenarios:
         for rep in range(args.reps):
             for b, p in policies.items():
                 if hasattr(p, "_reset_kv"):
                     p._reset_kv()
-                r = run_scenario(p, sc, seed=rep)
+                if sc in SEARCH:
+                    *r, detail = run_search(p, sc, rep, args, next(iter(policies.values())))
+                    r = tuple(r)
+                    print(f"  {sc:6s} rep {rep} {b:9s} prompt {detail['prompt_tokens']} prefill "
+                          f"{detail['prefill_tokens']} cached {detail['cached_tokens']} calls "
+                          f"{detail['calls']}", file=sys.stderr)
+                else:
+                    r = run_scenario(p, sc, seed=rep)
                 key = (sc, b)
                 if key not in best or r[0] / r[2] > best[key][0] / best[key][2]:
                     best[key] = r
+                    if sc in SEARCH:
+                        searched[key] = detail
                 best_cpu[key] = max(best_cpu.get(key, 0.0), r[0] / max(r[3], 1e-9))
                 print(f"  {sc:6s} rep {rep} {b:9s} {r[0]:5d} tok {r[2]:7.2f}s {r[0] / r[2]:7.1f} tok/s "
                       f"{r[0] / max(r[3], 1e-9):7.1f} tok/CPU-s", file=sys.stderr)
@@ -191,7 +275,17 @@ def main() -> None:
                 "cpu_seconds": round(cpu, 3), "tokens_per_s": round(gen / secs, 1),
                 "tokens_per_cpu_s": round(best_cpu[(sc, b)], 1),
             }
+            if (sc, b) in searched:
+                d = searched[(sc, b)]
+                figures["results"][sc][b].update(
+                    {k: d[k] for k in ("prefill_tokens", "cached_tokens", "calls", "search")})
         print(f"{sc:9s}" + "".join(cells) + f"   {best[(sc, names[0])][1]:10d}")
+        if any((sc, b) in searched for b in names):
+            print(f"{'':9s}" + "".join(f"{'prefill ' + str(searched[(sc, b)]['prefill_tokens']):>20s}"
+                                       for b in names if (sc, b) in searched) + "   (prompt tokens computed)")
+    for b, p in policies.items():
+        if hasattr(p, "cache_stats"):
+            figures.setdefault("cache_stats", {})[b] = p.cache_stats()
     print(json.dumps(figures))
 
 
