@@ -28,8 +28,9 @@ def _argv(model: str, out: Path, steps: int = 24) -> list[str]:
             "--dev-limit", "3", "--set", "dev_strategies=react", "--set", "dev_budget=tokens=1200",
             "--search-strategy", "best_of_n:n=2", "--search-budget", "tokens=2500",
             "--strategies", "react,mcts", "--budgets", "tokens=1200", "--max-tokens", "12",
-            "--no-progress", "--set", "prm_settings.max_steps=3", "--set", "prm_settings.batch_size=2", "--set", "prm_settings.keep_layers=null",
-            "--set", "prm_settings.train_layers=null", "--set", f"trainer_settings.sft.max_steps={steps}",
+            "--no-progress", "--set", "prm_settings.max_steps=3", "--set", "prm_settings.batch_size=2",
+            "--set", "prm_settings.keep_layers=null", "--set", "prm_settings.train_layers=null",
+            "--set", "prm_settings.val_fraction=0.4", "--set", f"trainer_settings.sft.max_steps={steps}",
             "--set", "trainer_settings.sft.lr=3e-3", "--set", "save_every=3"]
 
 
@@ -57,7 +58,13 @@ def test_killed_loop_resumes_to_the_unbroken_result(tiny_agent_model, tmp_path):
     stages = sorted(p.parent.relative_to(whole).as_posix() for p in whole.glob("round_*/*/stage.json"))
     assert stages == ["round_0/dev", "round_0/eval", "round_1/data", "round_1/dev_sft", "round_1/eval",
                       "round_1/labels", "round_1/prm", "round_1/search", "round_1/train_sft"]
-    assert json.loads((whole / "round_1/prm/stage.json").read_text())["trained"]
+    prm = json.loads((whole / "round_1/prm/stage.json").read_text())
+    assert prm["trained"]
+    # the PRM's calibration on its validation steps: every step in one bin of the table
+    cal = prm["calibration"]["all"]
+    assert cal["steps"] == prm["validation"]["steps"] > 0 and cal["ece"] is not None
+    assert sum(b["steps"] for b in cal["bins"]) == cal["steps"]
+    assert "Reliability of round 1's PRM" in (whole / "report.md").read_text()
 
     broken = tmp_path / "broken"
     proc = subprocess.Popen(_cmd(_argv(tiny_agent_model, broken)), env=env, cwd=ROOT,

@@ -24,7 +24,7 @@ def test_tables(cfg: Any, history: list[dict[str, Any]]) -> list[str]:
     tasks = next(iter(next(iter(first.values())).values()))["tasks"]
     lines = [f"## Held-out success ({cfg.env} test split, {tasks} tasks)", "",
              "Successes / tasks = rate [Wilson 95% interval]. Round 0: the base policy; round r: the "
-             "policy kept after round r's stages, with round r's PRM (from round 1).", "",
+             "policy kept after round r's stages" + (", with round r's PRM (from round 1)." if cfg.prm else "."), "",
              "| strategy | budget | " + " | ".join(f"round {r}" for r in rounds) + " |",
              "|---|---|" + "---|" * len(rounds)]
     for name, per in first.items():
