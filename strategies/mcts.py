@@ -16,7 +16,8 @@ for LM agents by LATS (Zhou et al., ICML 2024, "Language Agent Tree Search"), rS
              actions scored in one batched call instead of sampling k)
         evaluate: every new child (PRM, heuristic, LM, logprob), or the most probable new
             child by a rollout to a terminal, or (1 - lam) * PRM + lam * rollout
-        (a finished leaf chosen again is not valued again: its first value is backed up)
+        (a finished leaf chosen again is not valued again: its first value is backed up at
+         once, without a virtual loss or a place in the round's LM call)
         remove the virtual losses and back the values up to the root
         (stop_on_success, LATS) stop once a valued node or its rollout ends solved
         (reflect) after a failed terminal, write a LATS-style reflection for later prompts
@@ -182,16 +183,30 @@ class MCTS(Strategy):
     # --- selection -----------------------------------------------------------------------------
     def _select_batch(self, ctx) -> tuple[list, list]:
         """Up to ``leaves`` distinct leaves; a descent that reaches an already chosen leaf (a
-        collision) keeps its virtual loss, which steers the following descents elsewhere."""
+        collision) keeps its virtual loss, which steers the following descents elsewhere. A
+        descent that reaches a finished leaf valued before is its whole simulation: the value
+        is backed up along the path at once and the descent does not take a leaf's place."""
         batch, paths, chosen = [], [], set()
-        for _ in range(self.leaves):
+        s = ctx.scratch
+        finished, tries = s["finished"], 0
+        while tries < self.leaves:
             found = self._descend(ctx)
             if found is None:
                 break
-            paths.append(found[1])
-            if found[0].id not in chosen:
-                chosen.add(found[0].id)
-                batch.append(found[0])
+            leaf, path = found
+            v = finished.get(leaf.id)
+            if v is not None:  # a finished leaf, valued before: its simulation is done now,
+                for n in path:  # the descent's visit made real with its value (no LM, no wait)
+                    n.value_sum += v
+                s["sims"] += 1
+                if s["sims"] >= self.simulations:
+                    break
+                continue
+            tries += 1
+            paths.append(path)
+            if leaf.id not in chosen:
+                chosen.add(leaf.id)
+                batch.append(leaf)
         return batch, paths
 
     def _descend(self, ctx):
