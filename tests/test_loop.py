@@ -96,7 +96,8 @@ def test_a_run_folder_refuses_other_settings(tiny_agent_model, tmp_path, capsys)
 
 @pytest.mark.parametrize("flag,value,needle", [("--strategies", "react,nosuch", "nosuch"),
                                                 ("--set", "first=[rlhf]", "rlhf"),
-                                                ("--budgets", "tokens=abc", "tokens")])
+                                                ("--budgets", "tokens=abc", "tokens"),
+                                                ("--set", "trainer_settings.dpo.nosuch=1", "nosuch")])
 def test_bad_settings_fail_before_anything_runs(flag, value, needle, tiny_agent_model, tmp_path, capsys):
     out = tmp_path / "run"
     argv = _argv(tiny_agent_model, out) + [flag, value]

@@ -112,6 +112,7 @@ class LoopConfig(BaseModel):
         for name in self.first + self.then + sum(self.schedule or [], []) + list(self.trainer_settings):
             if name not in TRAINERS:
                 raise ValueError(f"unknown trainer {name!r} (one of {', '.join(TRAINERS)})")
+        self._check_trainer_settings()
         if self.curriculum is not None:
             check_levels(self.env, self.curriculum)
         for key in ("policy", "prm_base"):  # before loop.json or any stage is written
@@ -121,6 +122,22 @@ class LoopConfig(BaseModel):
             if model != "smollm2" and not Path(model).exists() and (key == "prm_base" or ":" not in model):
                 raise ValueError(f"{key}: {model} does not exist (smollm2 or an HF model folder)")
 
+
+    def _check_trainer_settings(self) -> None:
+        """Each trainer's settings against its config model, so a bad key fails before round 0
+        (not hours later, when its stage starts)."""
+        from pydantic import ValidationError
+
+        from .loop_stages import TRAINER_OF
+        from .trainers import TRAINERS as trainers  # torch: the loop is about to run anyway
+
+        for kind, settings in self.trainer_settings.items():
+            try:
+                trainers[TRAINER_OF[kind]].config.model_validate(settings)
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                where = ".".join(str(p) for p in err["loc"])
+                raise ValueError(f"trainer_settings.{kind}.{where}: {err['msg']}") from None
 
     def trainers(self, r: int) -> list[str]:
         """The trainers round ``r`` (from 1) runs, in order."""
