@@ -36,7 +36,10 @@ utilisation = achieved / peak for both. Per mode also the policy calls, sequence
 prompt tokens per generated token (what the budget charges), **prefilled** tokens per generated
 token (what the backend actually ran through the model before decoding, padding included:
 ``hf`` and ``llamacpp`` only; a count, so the load on the machine does not blur it) and the
-share of the search's time spent in ``generate``.
+share of the search's time spent in ``generate``, the CPU seconds of the run, and ``cached``:
+the share of prompt tokens a prefix cache served (``Generation.cached_tokens``; the ``hf``
+backend's cache across calls, cleared before every run and the peak; compare
+``smollm2:hf`` with ``smollm2:hf:prefix_cache=off``; the JSON has its hit counts).
 ``same_trees`` says whether ``before`` and ``continuous`` produced the same completions (the
 schedule never changes a request's seed; a backend whose logits depend on the batch, like
 bfloat16 ``hf``, may still differ, and then the searches themselves differ a little).
@@ -89,7 +92,7 @@ class Metered(om.Policy):
         self.reset()
 
     def reset(self) -> None:
-        self.calls = self.seqs = self.generated = self.prompt = self.prefilled = 0
+        self.calls = self.seqs = self.generated = self.prompt = self.prefilled = self.cached = 0
         self.seconds = 0.0
 
     def count_prefill(self) -> bool:
@@ -126,6 +129,7 @@ class Metered(om.Policy):
         self.seqs += sum(r.params.n for r in requests)
         self.generated += sum(g.completion_tokens for gs in out for g in gs)
         self.prompt += sum(gs[0].prompt_tokens for gs in out if gs)
+        self.cached += sum(gs[0].cached_tokens for gs in out if gs)
         return out
 
 
@@ -146,9 +150,12 @@ class Metered(om.Policy):
 
 
 def clear_cache(policy: om.Policy) -> None:
-    """Start every run with an empty KV cache (llamacpp keeps one between calls)."""
+    """Start every run with an empty KV cache (llamacpp keeps one between calls, hf a prefix
+    cache across calls unless ``prefix_cache=off``)."""
     if hasattr(policy, "_reset_kv"):
         policy._reset_kv()
+    if getattr(policy, "prefix_cache", None) is not None:
+        policy.prefix_cache.clear()
 
 
 def measure_peak(policy: om.Policy, prompts: int, tokens: int) -> dict:
@@ -160,7 +167,8 @@ def measure_peak(policy: om.Policy, prompts: int, tokens: int) -> dict:
     out = policy.generate(reqs)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     gen = sum(g.completion_tokens for gs in out for g in gs)
-    return {"generated": gen, "seconds": round(wall, 2), "tok_s": round(gen / wall, 2),
+    return {"generated": gen, "seconds": round(wall, 2), "cpu_seconds": round(cpu, 2),
+            "tok_s": round(gen / wall, 2),
             "tok_cpu_s": round(gen / max(cpu, 1e-9), 2)}
 
 
@@ -194,7 +202,9 @@ def run_search(metered: Metered, strategy: str, tasks: list, args, mode: str) ->
            "calls": m.calls, "seqs_per_call": round(m.seqs / max(m.calls, 1), 2),
            "prompt_per_generated": round(m.prompt / max(m.generated, 1), 2),
            "prefilled_per_generated": round(m.prefilled / max(m.generated, 1), 2),
-           "lm_share": round(m.seconds / wall, 3),
+           "lm_share": round(m.seconds / wall, 3), "cpu_seconds": round(cpu, 2),
+           "cached_per_prompt": round(m.cached / max(m.prompt, 1), 3),
+           "prefix_cache": inner.stats().get("prefix_cache") if hasattr(inner, "stats") else None,
            "successes": sum(r.success for r in results), "faults": sum(len(r.faults) for r in results)}
     trees = [[n.step.completion_ids if n.step else None for n in r.tree.nodes] for r in results]
     return row, trees
@@ -270,7 +280,8 @@ def _num(x: float | None) -> str:
 def print_table(figures: dict) -> None:
     head = (f"{'backend':18s} {'search':6s} {'mode':10s} {'tasks':>5s} {'gen tok':>8s} {'sec':>7s} "
             f"{'tok/s':>7s} {'util':>6s} {'tok/CPU-s':>9s} {'util':>6s} {'calls':>6s} "
-            f"{'seq/call':>8s} {'prompt/gen':>10s} {'prefill/gen':>11s} {'LM share':>8s}")
+            f"{'seq/call':>8s} {'prompt/gen':>10s} {'prefill/gen':>11s} {'LM share':>8s} {'CPU-s':>7s} "
+            f"{'cached':>6s}")
     print(head)
     for spec, res in figures["backends"].items():
         if "skipped" in res:
@@ -287,7 +298,8 @@ def print_table(figures: dict) -> None:
                       f"{r['seconds']:7.1f} {r['tok_s']:7.1f} {r['utilisation']:6.2f} "
                       f"{r['tok_cpu_s']:9.1f} {r['utilisation_cpu']:6.2f} {r['calls']:6d} "
                       f"{r['seqs_per_call']:8.1f} {r['prompt_per_generated']:10.1f} "
-                      f"{_num(r['prefilled_per_generated']):>11s} {r['lm_share']:8.2f}")
+                      f"{_num(r['prefilled_per_generated']):>11s} {r['lm_share']:8.2f} "
+                      f"{r['cpu_seconds']:7.1f} {r['cached_per_prompt']:6.2f}")
             if "same_trees" in modes:
                 print(f"{'':18s} {name:6s} before and the engine now: same completions: {modes['same_trees']}")
 
