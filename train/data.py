@@ -13,6 +13,7 @@ do not share the prefix before their first trainable token, non-finite rewards.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -226,9 +227,26 @@ class GrammarMasks:
     use (xgrammar) for the trainer's tokenizer, vocabulary and stop tokens, exactly as the
     ``hf`` backend builds its own, so both see the same masks."""
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]):
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_ids: Sequence[int], cache: int = 256):
         self.hf, self.vocab_size, self.stop_ids = hf_tokenizer, int(vocab_size), sorted(stop_ids)
         self._masker: Any = None
+        # spans seen again (a round's rows cycled over its micro-batches, a group's shared
+        # steps) are not walked again: (grammar, ids) -> (bitmasks, n), least recently used out
+        self._cache: OrderedDict[tuple, tuple[Any, int]] = OrderedDict()
+        self._cache_size = cache
+
+    def _walk(self, record: dict[str, Any], ids: list[int]) -> tuple[Any, int]:
+        from omrl_search.constrain import Grammar
+
+        key = (tuple(sorted(record.items())), tuple(ids))
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = self.masker().masks_along(Grammar.from_record(record), ids)
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        return hit
 
     def masker(self) -> Any:
         if self._masker is None:
@@ -244,14 +262,12 @@ class GrammarMasks:
         logprobs). Empty when no row was constrained."""
         import torch
 
-        from omrl_search.constrain import Grammar
-
         at: list[tuple[int, int]] = []
         bits: list[Any] = []
         missed = 0
         for b, row in enumerate(rows):
             for start, end, record in row.grammars or ():
-                got, n = self.masker().masks_along(Grammar.from_record(record), row.input_ids[start:end])
+                got, n = self._walk(record, row.input_ids[start:end])
                 at += [(b, start + j) for j in range(n)]
                 bits.append(got)
                 missed += end - start - n

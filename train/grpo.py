@@ -16,7 +16,8 @@
   ``hf:<model folder>:dtype=float32``; before every round the trainer's live weights (LoRA
   merged, on a copy) are pushed to them through Ray's object store (``policy_weights``), so
   they sample with the current policy; the actors are kept across rounds and only reload
-  weights. The pushed version (the optimizer step) is logged as ``pushed_version``. Tasks are
+  weights (their policy runs without the hf prefix cache, whose KV would be the old weights';
+  in process the cache is emptied before every sampling pass). The pushed version (the optimizer step) is logged as ``pushed_version``. Tasks are
   seeded from ``(seed, task_id)`` as in process, but an hf policy samples per batch and a
   batch depends on which tasks share an actor, so the samples differ from an in-process run
   (not their distribution). The model folder must exist on every Ray node.
@@ -194,7 +195,9 @@ class RolloutSource:
         self.reencode: Any = None  # a TurnEncoder to re-encode samples with (tests: scripted policies)
 
     def policy(self, runner: Runner) -> Any:
-        """The hf backend over the model being trained (its own copy is dropped at once)."""
+        """The hf backend over the model being trained (its own copy is dropped at once). Its
+        prefix cache is emptied before every sampling pass: the KV it holds was computed with
+        the weights before the last update."""
         if self._policy is None:
             from omrl_search.backends.hf import HFPolicy
 
@@ -203,13 +206,17 @@ class RolloutSource:
             pol.model = None
             self._policy = pol
         self._policy.model = runner.module
+        if getattr(self._policy, "prefix_cache", None) is not None:
+            self._policy.prefix_cache.clear()
         return self._policy
 
     def remote_policy(self) -> str:
         """The spec the Ray actors build their policy from: architecture, tokenizer and dtype
-        from the base model's folder (the weights come from the push)."""
+        from the base model's folder (the weights come from the push). No prefix cache: an
+        actor loads pushed weights in place, and cached KV of the old ones would be reused."""
         path, gguf = resolve_model_path(self.cfg.model)
-        return f"hf:{os.path.abspath(path)}:dtype=float32" + (f",gguf_file={gguf}" if gguf else "")
+        return (f"hf:{os.path.abspath(path)}:dtype=float32,prefix_cache=off"
+                + (f",gguf_file={gguf}" if gguf else ""))
 
     def next_batch(self, runner: Runner) -> list[TokenRow] | None:
         if not self.pending:
@@ -321,7 +328,8 @@ def check_grammars_recorded(results: list[Any]) -> None:
     """Refuse constrained samples whose steps do not say which grammar they were sampled under
     (an engine that does not set ``Step.grammar``): their masked logprobs could not be
     recomputed and every ratio would be off."""
-    constrained = sum(int((r.constraint or {}).get(k, 0) or 0) for r in results for k in ("actions", "format"))
+    constrained = sum(int((r.constraint or {}).get(k, 0) or 0)
+                      for r in results for k in ("actions", "format"))
     if constrained and not any(n.step is not None and n.step.grammar for r in results for n in r.tree.nodes):
         raise TrainError("online GRPO: constrained samples carry no Step.grammar (the engine did not "
                          "record it), so their masked logprobs cannot be recomputed; set "
