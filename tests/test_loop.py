@@ -144,3 +144,43 @@ def test_missing_policy_is_refused_before_anything_is_written(tmp_path, capsys):
     out = tmp_path / "loop"
     assert main(["loop", "--env", "game24", "--policy", str(tmp_path / "nope"), "--out", str(out)]) == 2
     assert "policy:" in capsys.readouterr().err and not out.exists()
+
+
+def test_rs_sft_dpo_and_grpo_stages_train_on_the_rounds_exports(tiny_agent_model, tmp_path):
+    """Round 2's data and trainer stages with the real trainers (tiny model, 2 steps each) on a
+    scripted search's trees (a tiny random model solves nothing): rs_sft rows are successes only,
+    at most rs_cap per task; the trainer settings reach the trainers (DPO's RPO term, GRPO's
+    dynamic sampling); each stage trains from the model it is given."""
+    import pandas as pd
+
+    import omrl_search as om
+    from train.loop import LoopConfig
+    from train.loop_stages import cfg_path, data_stage, last_metrics, train_stage
+
+    small = {"max_steps": 2, "batch_size": 2, "lr": 1e-3, "save_every": 0}
+    cfg = LoopConfig(env="game24", policy=tiny_agent_model, out=str(tmp_path), prm=False, rs_cap=2,
+                     progress=False, trainer_settings={
+                         "rs_sft": small, "dpo": {**small, "rpo_alpha": 1.0},
+                         "grpo": {**small, "dynamic_sampling": True, "clip_high": 0.28}})
+    results = om.search_many(om.load_tasks("game24", "train", 6), strategy="best_of_n:n=4",
+                             policy="scripted:oracle:p=0.4", seed=0)
+    assert 0 < sum(r.success for r in results) < 6
+    search = cfg_path(cfg, 2, "search")
+    search.mkdir(parents=True)
+    om.write_results(search / "results.jsonl", results)
+    data = cfg_path(cfg, 2, "data")
+    data.mkdir()
+    rows = data_stage(cfg, 2)(data)["rows"]
+    assert all(rows[k] > 0 for k in ("sft", "rs_sft", "dpo", "grpo")), rows
+    rs = pd.read_parquet(data / "rs_sft.parquet")
+    assert rs["success"].all() and rs.groupby("task_id").size().max() <= 2
+    for kind in ("rs_sft", "dpo", "grpo"):
+        d = cfg_path(cfg, 2, f"train_{kind}")
+        d.mkdir()
+        info = train_stage(cfg, 2, kind, tiny_agent_model)(d)
+        assert info["from"] == tiny_agent_model and info["step"] == 2, info
+        assert info["model"] == str(d / "model") and (d / "model" / "model.safetensors").exists()
+        if kind == "dpo":
+            assert "nll_chosen" in last_metrics(d / "model")
+        if kind == "grpo":  # dynamic sampling counted the flat groups it dropped
+            assert "groups_flat" in (d / "model" / "metrics.jsonl").read_text()
