@@ -5,7 +5,8 @@ Specs: ``smollm2`` (the default backend, :data:`DEFAULT`; the other one if the d
 dependencies are missing), ``smollm2:hf`` (transformers, on the
 HF folder converted once from the GGUF, see :func:`hf_folder`), ``smollm2:llamacpp`` (llama.cpp
 on the GGUF itself). Options follow after another colon: ``smollm2:hf:dtype=float32``,
-``smollm2:llamacpp:n_threads=2``.
+``smollm2:llamacpp:n_threads=2``; ``smollm2:prefix_cache=off`` turns off hf's prefix cache across
+calls (on by default, ``prefix_cache_mb=N`` bounds it; see docs/backends.md).
 
 Why the default is ``hf`` (bfloat16 on CPUs with native bf16, else float32): measured with
 ``python benchmarks/backend_throughput.py --reps 2`` on the 2-core development VM (Sapphire
