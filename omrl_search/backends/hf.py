@@ -5,8 +5,8 @@ Spec: ``hf:PATH`` (an HF model folder), optionally followed by ``:key=value,...`
 
 How one :meth:`HFPolicy.generate` call runs:
 
-* every request becomes ``params.n`` rows; rows are sorted by prompt length and cut into chunks of
-  at most ``max_batch`` rows (less padding);
+* every request becomes ``params.n`` rows; rows are sorted by the prompt tokens left to prefill
+  and cut into chunks of at most ``max_batch`` rows (less padding);
 * in a chunk each distinct prompt is prefilled **once** (left padded, explicit position ids) and its
   KV cache is then fanned out to its ``n`` rows, so ``n`` samples cost one prefill; a prefix that
   all the chunk's prompts share (the system prompt) is prefilled once before that, and so is a
@@ -23,6 +23,14 @@ How one :meth:`HFPolicy.generate` call runs:
   the grammar does not allow to ``-inf``, so the token is sampled from, and its logprob is the
   ``log_softmax`` of, the masked distribution (renormalised over the allowed tokens); grammars
   are compiled once per text for this tokenizer;
+* a **prefix cache across calls** (on by default; ``prefix_cache=off``, ``prefix_cache_mb=N``;
+  :mod:`._prefix_cache`): a radix tree over token ids holding KV tensors. Each prompt's longest
+  cached prefix is copied into the batch and only the rest is prefilled; each prompt, and each
+  row's prompt plus its generated tokens when it ends, is stored (only what the tree lacks).
+  Rows are ordered by the tokens left to prefill; ``Generation.cached_tokens`` counts the
+  tokens served; :meth:`HFPolicy.stats` reports the hit rate;
+* :meth:`HFPolicy.score` (``Policy.score``) reads given completions' logprobs in one forward
+  over the candidates on top of their prompts;
 * the KV cache appends into preallocated buffers (transformers' ``DynamicCache`` concatenates,
   copying the whole cache every step: most of a CPU decode step at batch 32).
 
