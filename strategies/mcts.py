@@ -28,8 +28,9 @@ Knobs: ``simulations``, ``leaves``, ``k``, ``c_puct``, ``priors`` (logprob | uni
 ``value``
 (auto | rm | rollout | mix | heuristic | lm | logprob; auto = rm with a reward model, else the
 env heuristic, else rollout), ``lam``, ``widen`` (0 = off), ``reflect``, ``final``,
-``temperature``, ``rule`` (puct | uct), ``stop_on_success``. Rollouts, reflections on failures
-and ``stop_on_success`` consult the env's success check: such results are flagged
+``temperature``, ``rule`` (puct | uct), ``stop_on_success``, ``solver`` (MCTS-Solver: a failed
+finished leaf leaves the selection once backed up). Rollouts, reflections on failures,
+``solver`` and ``stop_on_success`` consult the env's success check: such results are flagged
 ``verifier_in_loop``. How this reads against LATS and rStar: docs/strategies.md.
 """
 from __future__ import annotations
@@ -69,6 +70,7 @@ class MCTS(Strategy):
     temperature: float | None = None
     rule: str = "puct"
     stop_on_success: bool = False
+    solver: bool = False
 
     def __post_init__(self) -> None:
         if self.simulations < 1 or self.leaves < 1 or self.k < 1:
@@ -139,10 +141,22 @@ class MCTS(Strategy):
             self._backup(ctx, [(t, got[t.id] if t.id in got else finished[t.id])
                                for t in targets if t.id in got or t.id in finished]
                          + [(t, 0.0) for t in dead])
+            if self.solver:
+                self._close_lost(ctx, targets)
             if self.stop_on_success and self._solved(ctx, fresh):
                 return
             if self.reflect and fresh:
                 await self._reflect(ctx, fresh)
+
+    def _close_lost(self, ctx, targets) -> None:
+        """MCTS-Solver (Winands, Bjornsson and Saito 2008), for envs whose ends are final: a
+        finished leaf that did not succeed is a proven loss once backed up, so it leaves the
+        selection (and a node whose children are all closed becomes a dead end in
+        :meth:`_descend`). Simulations then go to what is still unknown instead of re-choosing
+        a known failure, which PUCT does for as long as the policy's prior on it dominates."""
+        for t in targets:
+            if t.terminal and t.id in ctx.scratch["finished"] and not ctx.verify(t):
+                self._kill(ctx, t)
 
     @staticmethod
     def _solved(ctx, fresh) -> bool:

@@ -70,3 +70,23 @@ def test_stop_on_success_ends_at_the_first_solved_rollout():
         else:  # never solved: it ran its simulations like the full search
             assert e.tree.root.visits == f.tree.root.visits
     assert stopped  # a solved search really stopped early
+
+
+def test_solver_closes_proven_losses_so_simulations_reach_unseen_actions():
+    """Countdown level 1 (two steps, every action listed and scored): a policy that puts most
+    of its prior on wrong actions makes PUCT re-choose the same failed ends until the
+    simulations run out; with solver=true a failed end leaves the selection, the tree is
+    searched through, and every task is solved (the same searches, seeded, both times)."""
+    tasks = om.load_tasks("countdown", "test:level=1", limit=8)
+
+    def run(spec):
+        return om.search_many(tasks, strategy=spec, policy="scripted:oracle:p=0.95", seed=0,
+                              budget="lm_calls=40")
+
+    plain = run("mcts:priors=policy,simulations=64")
+    solver = run("mcts:priors=policy,simulations=64,solver=true")
+    assert sum(r.success for r in plain) < sum(r.success for r in solver)
+    full = run("mcts:priors=policy,simulations=400,solver=true,stop_on_success=true")
+    assert all(r.success and r.verifier_in_loop for r in full)
+    again = run("mcts:priors=policy,simulations=400,solver=true,stop_on_success=true")
+    assert [r.to_dict()["tree"] for r in full] == [r.to_dict()["tree"] for r in again]

@@ -87,7 +87,8 @@ def test_each_aggregation_reaches_sft_and_grpo(tiny_agent_model, data, tmp_path,
 def test_each_dpo_loss_reaches_the_trainer(tiny_agent_model, data, tmp_path):
     got = []
     for name in L.DPO_LOSSES:
-        runner = _build(dpo, dpo.DPOConfig, tiny_agent_model, data, "dpo", tmp_path, loss=name, beta=0.5)
+        runner = _build(dpo, dpo.DPOConfig, tiny_agent_model, data, "dpo", tmp_path, loss=name, beta=0.5,
+                        rpo_alpha=0.0)  # the pure DPO loss (no NLL term)
         batch = runner.collate(runner.source.examples[:2])
         g = torch.Generator().manual_seed(0)
         batch["ref_logps"] = batch["ref_logps"] + torch.randn(4, generator=g)  # a non-zero margin
