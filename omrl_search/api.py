@@ -17,7 +17,8 @@ from .types import SamplingParams, Task
 
 #: a run's summary row; ``ci_low``/``ci_high`` bound the success rate (Wilson 95%, docs/design.md §8)
 SUMMARY_FIELDS = ("tasks", "successes", "success_rate", "ci_low", "ci_high", "prompt_tokens",
-                  "completion_tokens", "lm_calls", "rm_calls", "env_steps", "seconds", "faults")
+                  "prefill_tokens", "cached_tokens", "completion_tokens", "lm_calls", "rm_calls",
+                  "env_steps", "seconds", "faults")
 
 
 def load_tasks(env: str, split: str = "test", limit: int | None = None,
@@ -98,9 +99,12 @@ def summarize(results: Iterable[SearchResult], seconds: float | None = None) -> 
     out: dict[str, Any] = dict.fromkeys(SUMMARY_FIELDS, 0)
     out.update(rate(sum(bool(r.success) for r in results), len(results)))
     for r in results:
-        for key in ("prompt_tokens", "completion_tokens", "lm_calls", "rm_calls", "env_steps"):
+        for key in ("prompt_tokens", "cached_tokens", "completion_tokens", "lm_calls", "rm_calls", "env_steps"):
             out[key] += int(r.spent.get(key, 0))
         out["faults"] += len(r.faults)
+    # prompt tokens the backend computed (the rest its prefix cache served; all of them in
+    # results written before the split was recorded)
+    out["prefill_tokens"] = out["prompt_tokens"] - out["cached_tokens"]
     out["seconds"] = round(seconds if seconds is not None else sum(r.seconds for r in results), 3)
     out["verifier_in_loop"] = any(r.verifier_in_loop for r in results)
     out["constraint"] = constraint_totals(results)

@@ -50,7 +50,7 @@ LISTINGS = {"envs": ("environments", list_envs), "strategies": ("strategies", li
             "policies": ("policy backends", list_policies),
             "reward-models": ("reward models", list_reward_models)}
 #: the compute columns of the printed table
-COST_FIELDS = ("prompt_tokens", "completion_tokens", "lm_calls", "rm_calls", "env_steps", "seconds", "faults")
+COST_FIELDS = ("prompt_tokens", "prefill_tokens", "completion_tokens", "lm_calls", "rm_calls", "env_steps", "seconds", "faults")
 #: what a command may raise for bad input: one line, exit status 2
 USER_ERRORS = (UsageError, SpecError, PolicyError, TaskFileError, EnvError, PluginError, ValueError,
                KeyError)
