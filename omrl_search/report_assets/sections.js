@@ -86,7 +86,7 @@ function pairedCell(r) {
 function resultsSection() {
   const sets = DATA.evals.map((e, i) => {
     const c = e.config, rows = [], vs = (e.rows.find((r) => r.paired) || {}).paired;
-    const head = ["strategy", "budget", "success [95% CI]", "solved", vs && `vs ${vs.vs} (McNemar)`, "tokens", "LM calls",
+    const head = ["strategy", "budget", "success [95% CI]", "solved", vs && `vs ${vs.vs} (McNemar)`, "tokens", "prefill", "cached", "LM calls",
       "RM calls", "env steps", "seconds", "faults"].filter(Boolean);
     e.rows.forEach((r, j) => {
       const first = j === 0 || e.rows[j - 1].strategy !== r.strategy;
@@ -94,7 +94,7 @@ function resultsSection() {
         r.strategy + (r.verifier_in_loop ? " *" : ""));
       rows.push(h("tr", { class: first && j ? "first" : null }, h("td", { class: "l", title: r.spec }, name),
         h("td", { class: "l" }, r.budget || "–"), rateCell(r), h("td", {}, `${r.successes}/${r.tasks}`), vs && pairedCell(r),
-        [r.tokens, r.lm_calls, r.rm_calls, r.env_steps].map((v) => h("td", {}, fmt(v))), h("td", {}, fmt(r.seconds, 3)),
+        [r.tokens, r.prefill_tokens, r.cached_tokens, r.lm_calls, r.rm_calls, r.env_steps].map((v) => h("td", {}, fmt(v))), h("td", {}, fmt(r.seconds, 3)),
         h("td", {}, r.faults)));
     });
     const what = [e.kind, c.env && `${c.env} ${c.split || ""}`, c.tasks != null && `${c.tasks} tasks`,
