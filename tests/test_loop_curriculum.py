@@ -61,8 +61,10 @@ def test_choose_outside_the_band():
     assert levels == ["1"] and "below" in why
     levels, why = choose({"1": 1.0, "2": 1.0, "3": 0.95}, 0.1, 0.9)  # all too easy: the hardest
     assert levels == ["3"] and "above" in why
-    levels, _ = choose({"1": 1.0, "2": 1.0, "3": 1.0}, 0.1, 0.9)  # a tie: the harder level
+    levels, _ = choose({"1": 1.0, "2": 1.0, "3": 1.0}, 0.1, 0.9)  # a tie above: the harder level
     assert levels == ["3"]
+    levels, _ = choose({"1": 0.0, "2": 0.0, "3": 0.0}, 0.1, 0.9)  # a tie below: the easier level
+    assert levels == ["1"]
 
 
 def test_the_loop_trains_where_the_policy_is_neither_always_right_nor_always_wrong(tmp_path, monkeypatch):

@@ -75,8 +75,8 @@ def choose(rates: dict[str, float], low: float, high: float) -> tuple[list[str],
         return low - r if r < low else r - high
 
     names = list(rates)
-    # nearest to the band; on a tie the later (harder) level
-    pick = min(reversed(names), key=lambda n: distance(rates[n]))
+    # nearest to the band; on a tie the easier level below it, the harder one above it
+    pick = min(names, key=lambda n: (distance(rates[n]), names.index(n) * (1 if rates[n] < low else -1)))
     where = "below" if rates[pick] < low else "above"
     return [pick], (f"no level within [{low:g}, {high:g}]: the nearest, {pick} "
                     f"({rates[pick]:.2f}, {where} the band)")
