@@ -64,7 +64,7 @@ from .policy import Policy
 from .prompts import Constraint, ConstraintError, policy_mode
 from .result import SearchResult
 from .reward import RewardModel, aggregate
-from .tree import EXPANDED, FAILED, TERMINAL, Node, SearchTree, unique_states
+from .tree import EXPANDED, FAILED, TERMINAL, Node, SearchTree, dedup_key, unique_states
 from .types import DEFAULT_MAX_TOKENS, GenRequest, Generation, SamplingParams, Task
 
 __all__ = ["DEFAULT_MAX_FAULTS", "DEFAULT_MAX_NODES", "Engine", "SearchContext"]
@@ -380,10 +380,10 @@ class Engine:
                   gens: list[Generation], dedup: bool, grammar: Grammar | None = None) -> list[Node]:
         """``node``'s children from ``gens``: each completion parsed by the agent format and,
         if well formed, stepped in the env; with ``dedup`` a child repeating a sibling's state
-        is pruned and left out. A completion generated under ``grammar`` (its ``constraint``
-        not "none") records it in ``Step.grammar`` as a plain dict, for trainers to rebuild
-        the masks."""
-        seen = {ctx.tree.nodes[c].state_key for c in node.children} if dedup else None
+        (by :func:`~omrl_search.tree.dedup_key`) is pruned and left out. A completion generated
+        under ``grammar`` (its ``constraint`` not "none") records it in ``Step.grammar`` as a
+        plain dict, for trainers to rebuild the masks."""
+        seen = {dedup_key(ctx.tree.nodes[c]) for c in node.children} if dedup else None
         prompts, envs = ctx.prompts, ctx.envs
         fields = grammar_fields(grammar) if grammar is not None else None
         kids = []

@@ -61,6 +61,7 @@ class Env(ABC):
     max_steps: ClassVar[int] = 20
     snapshot_kind: ClassVar[str] = "value"
     can_restore: ClassVar[bool] = True
+    _own_dedup: ClassVar[bool] = False  # the class overrides dedup_key (set per subclass)
 
     # --- episode -------------------------------------------------------------------------
     @abstractmethod
@@ -84,7 +85,20 @@ class Env(ABC):
 
     @abstractmethod
     def state_key(self) -> str:
-        """A hash of the full state, for dedup and for detecting replay divergence."""
+        """A hash of the full state, for detecting replay divergence and, by default, for dedup."""
+
+    def dedup_key(self) -> str:
+        """The key under which searches that dedup merge states (transpositions); default the
+        state key. An env whose state keeps its history (Game24's path of combines) returns the
+        key of the position alone here, so ``dedup`` merges two routes to it while the state
+        keys keep them apart (docs/design.md §4)."""
+        return self.state_key()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # whether snapshots record a dedup key of their own: only for envs that override it,
+        # so the others pay no second hash per step
+        cls._own_dedup = cls.dedup_key is not Env.dedup_key
 
     @abstractmethod
     def snapshot(self) -> Snapshot: ...
@@ -171,12 +185,14 @@ class ValueSnapshots:
     """
 
     snapshot_kind: ClassVar[str] = "value"
+    _own_dedup: ClassVar[bool] = False
     state: Any
 
     def snapshot(self) -> Snapshot:
         if getattr(self, "state", None) is None:
             raise EnvError("snapshot() before reset()")
-        return Snapshot("value", self.state, self.state_key(), self.observe(), self.name)
+        return Snapshot("value", self.state, self.state_key(), self.observe(), self.name,
+                        self.dedup_key() if self._own_dedup else "")
 
     def restore(self, snapshot: Snapshot) -> None:
         _check_snapshot(self, snapshot, "value")
@@ -196,6 +212,7 @@ class NativeSnapshots:
     """Snapshot piece for envs with their own save/load (``save_native``/``load_native``)."""
 
     snapshot_kind: ClassVar[str] = "native"
+    _own_dedup: ClassVar[bool] = False
 
     def save_native(self) -> Any:  # pragma: no cover - interface
         raise NotImplementedError
@@ -204,7 +221,8 @@ class NativeSnapshots:
         raise NotImplementedError
 
     def snapshot(self) -> Snapshot:
-        return Snapshot("native", self.save_native(), self.state_key(), self.observe(), self.name)
+        return Snapshot("native", self.save_native(), self.state_key(), self.observe(), self.name,
+                        self.dedup_key() if self._own_dedup else "")
 
     def restore(self, snapshot: Snapshot) -> None:
         _check_snapshot(self, snapshot, "native")
@@ -238,6 +256,7 @@ class ReplayEnv(Env):
         self.max_steps = inner.max_steps
         self._task: Task | None = None
         self._actions: tuple[str, ...] = ()
+        self._own_dedup = getattr(inner, "_own_dedup", False)
 
     def reset(self, task: Task) -> str:
         self._task, self._actions = task, ()
@@ -255,11 +274,14 @@ class ReplayEnv(Env):
     def state_key(self) -> str:
         return self.inner.state_key()
 
+    def dedup_key(self) -> str:
+        return self.inner.dedup_key()
+
     def snapshot(self) -> Snapshot:
         if self._task is None:
             raise EnvError("snapshot() before reset()")
         return Snapshot("replay", (self._task, self._actions), self.state_key(), self.observe(),
-                        self.name)
+                        self.name, self.inner.dedup_key() if self._own_dedup else "")
 
     def restore(self, snapshot: Snapshot) -> None:
         _check_snapshot(self, snapshot, "replay")

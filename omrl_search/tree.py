@@ -108,12 +108,20 @@ class SearchTree:
         return len(self.nodes)
 
 
+def dedup_key(node: Node) -> str:
+    """The key dedup merges ``node`` by: its snapshot's ``dedup_key`` where the env defines one
+    (:meth:`~omrl_search.env.Env.dedup_key`, e.g. Game24's numbers left without the path), else
+    its state key."""
+    snap = node.snapshot
+    return (snap.dedup_key if snap is not None else "") or node.state_key
+
+
 def unique_states(nodes: Iterable[Node], seen: set[str] | None = None, *,
                   keep_failed: bool = False) -> list[Node]:
-    """``nodes`` without repeated states, in order: a node whose state key is in ``seen`` (or
-    was met earlier in ``nodes``) is marked pruned (:data:`DUPLICATE`) and left out, so one
-    state is expanded and scored once. Failed nodes have no state: left out, or kept with
-    ``keep_failed``; nodes already pruned are left out. ``seen`` is updated in place.
+    """``nodes`` without repeated states, in order: a node whose :func:`dedup_key` is in
+    ``seen`` (or was met earlier in ``nodes``) is marked pruned (:data:`DUPLICATE`) and left
+    out, so one state is expanded and scored once. Failed nodes have no state: left out, or
+    kept with ``keep_failed``; nodes already pruned are left out. ``seen`` is updated in place.
 
     The one dedup rule of the engine (``expand(dedup=True)``, ``apply``: against a node's
     existing children) and of the strategies' frontiers."""
@@ -128,10 +136,12 @@ def unique_states(nodes: Iterable[Node], seen: set[str] | None = None, *,
             continue
         if status == PRUNED:
             continue
-        if n.state_key in seen:
+        snap = n.snapshot
+        key = (snap.dedup_key if snap is not None else "") or n.state_key
+        if key in seen:
             n.status, n.error = PRUNED, DUPLICATE
             continue
-        seen.add(n.state_key)
+        seen.add(key)
         out.append(n)
     return out
 

@@ -78,6 +78,8 @@ class Snapshot:
     ``kind`` is ``value`` (plain data), ``native`` (the env's own save) or ``replay`` (task +
     action prefix). A snapshot restores into any instance of the env class that made it, which is
     what lets the engine pool env instances and the scripted oracle consult its own copy.
+    ``dedup_key`` is the env's :meth:`~omrl_search.env.Env.dedup_key` when the env defines its
+    own; empty means "same as ``state_key``" (no second hash for envs that don't).
     """
 
     kind: str
@@ -85,6 +87,7 @@ class Snapshot:
     state_key: str
     observation: str
     env: str = ""  # the registered name of the env that made it
+    dedup_key: str = ""  # the key searches that dedup merge states by; "" = state_key
 
 
 @dataclass(slots=True)

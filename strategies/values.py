@@ -373,7 +373,8 @@ def text_key(ctx, node: Node) -> int:
 
 def dedup_nodes(ctx, nodes: Iterable[Node], mode: str, seen: set | None = None) -> list[Node]:
     """``nodes`` without failed or pruned ones and, by ``mode``, without repeats: ``none`` keeps
-    repeats, ``state`` drops a node whose state key was met before (:func:`unique_states`),
+    repeats, ``state`` drops a node whose dedup key was met before (:func:`unique_states`; the
+    env's ``dedup_key``, by default its state key),
     ``text`` one whose action texts from the root were (:func:`text_key`). A dropped repeat is
     marked pruned as a duplicate; ``seen`` (keys met before) is updated in place."""
     if mode == "state":
