@@ -149,7 +149,7 @@ class SearchContext:
         """Sample ``k`` completions at each node, step the env for each, return the children.
 
         ``notes`` adds text to each node's prompt (e.g. DFSDT's previously tried siblings).
-        With ``dedup`` a child whose state key equals an existing sibling's is kept in the tree
+        With ``dedup`` a child whose dedup key (``Env.dedup_key``, by default the state key) equals an existing sibling's is kept in the tree
         as pruned and not returned (:func:`~omrl_search.tree.unique_states`).
         """
         self.check()
