@@ -40,12 +40,14 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-# The main job, offline with the bundled SmolLM2-135M: ReAct, best-of-N and MCTS on held-out
-# Game24 tasks at two token budgets, a printed table, and one HTML page with the plots and trees.
+# The main job, offline with the bundled SmolLM2-135M, untrained: 20 held-out Countdown puzzles
+# (three numbers), every step constrained to a valid action; greedy ReAct, best-of-8 and MCTS with
+# the policy's priors over every valid action at two token budgets; a printed table with 95%
+# intervals and McNemar tests against greedy, and one HTML page with the plots and trees.
 demo: install
-	$(BIN)/omrl bench --env game24 --split test --limit 6 --policy smollm2 \
-	    --strategies react,best_of_n:n=4,mcts --budgets tokens=1500,4500 --seed 0 \
-	    --max-tokens 40 --save-trees --out runs/demo
+	$(BIN)/omrl bench --env countdown --split test:level=1 --limit 20 --policy smollm2 --agent act \
+	    --strategies react,best_of_n:n=8,mcts:priors=policy,simulations=1000,solver=true,stop_on_success=true \
+	    --budgets tokens=1000,4000 --seed 0 --max-tokens 16 --save-trees --out runs/demo
 	$(BIN)/omrl report runs/demo
 
 test: install
