@@ -85,6 +85,8 @@ def trainer_settings(a: argparse.Namespace, kind: str, data: str, out: str) -> d
               max_length=4096, gradient_checkpointing=a.gc == "on")
     if kind == "grpo":
         kw.update(clip_low=0.2, clip_high=0.28)
+    if kind == "dpo":  # plain sigmoid DPO, as TRL's default (ours adds the RPO NLL by default)
+        kw.update(beta=0.1, rpo_alpha=0.0, loss="sigmoid")
     return kw
 
 
