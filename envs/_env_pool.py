@@ -34,6 +34,16 @@ _ENDED_KEPT = 10_000  # closed/expired ids remembered, to answer 410 instead of 
 _SHOWN = 300  # characters of an env's error message shown (a rejected task may quote megabytes)
 
 
+
+def keys(env: Any) -> dict[str, str]:
+    """The state key the server reports, and the dedup key when the env has one of its own
+    (``Env.dedup_key``: e.g. Game24's position without its path), so a client's searches merge
+    the same states as in process."""
+    out = {"state_key": env.state_key()}
+    if getattr(env, "_own_dedup", False):
+        out["dedup_key"] = env.dedup_key()
+    return out
+
 class ApiError(Exception):
     """An error answered as ``{"error": message}`` with HTTP ``status``."""
 
@@ -339,13 +349,13 @@ class EnvPool:
 
             def work():
                 obs = env.reset(chosen)
-                return obs, env.state_key(), env.snapshot() if snapshot else None
+                return obs, keys(env), env.snapshot() if snapshot else None
 
             obs, key, snap = self._timed("reset", deadline, work, idx=idx, slot=slot, task=chosen)
             slot.task, slot.score, slot.done = chosen, 0.0, False
             shown, extra = worded(self.name, chosen, obs, by_index=task is None)
             out = {"id": idx, "observation": shown, "reward": 0.0, "score": 0.0, "done": False,
-                   "task_id": chosen.task_id, "instruction": chosen.instruction, "state_key": key,
+                   "task_id": chosen.task_id, "instruction": chosen.instruction, **key,
                    **extra}
             if snap is not None:
                 out["snapshot_id"] = self._store(idx, slot, snap)
@@ -363,14 +373,14 @@ class EnvPool:
 
             def work():
                 res = env.step(action)
-                return res, jsonable(res.info), env.state_key(), env.snapshot() if snapshot else None
+                return res, jsonable(res.info), keys(env), env.snapshot() if snapshot else None
 
             res, info, key, snap = self._timed("step", deadline, work, idx=idx, slot=slot)
             slot.score = self._score(res, slot.score)
             slot.done = res.done
             out = {"observation": res.observation, "reward": res.reward, "score": slot.score,
                    "done": res.done, "terminated": res.terminated, "truncated": res.truncated,
-                   "success": res.success, "valid": res.valid, "info": info, "state_key": key}
+                   "success": res.success, "valid": res.valid, "info": info, **key}
             if snap is not None:
                 out["snapshot_id"] = self._store(idx, slot, snap)
             return out
@@ -409,9 +419,9 @@ class EnvPool:
             self._need_episode(idx, slot)
             env = slot.env
             snap, key, obs = self._timed("snapshot", deadline,
-                                         lambda: (env.snapshot(), env.state_key(), env.observe()),
+                                         lambda: (env.snapshot(), keys(env), env.observe()),
                                          idx=idx, slot=slot)
-            return {"snapshot_id": self._store(idx, slot, snap), "state_key": key, "observation": obs}
+            return {"snapshot_id": self._store(idx, slot, snap), **key, "observation": obs}
 
     def _store(self, idx: int, slot: Slot, snap: Snapshot) -> str:
         """Keep ``snap`` under a new unguessable id, usable by env ``idx``'s family only."""
@@ -448,11 +458,11 @@ class EnvPool:
 
         def work():
             env.restore(stored.snapshot)
-            return env.state_key()
+            return keys(env)
 
         key = self._timed("restore", deadline, work, idx=idx, slot=slot)
         slot.task, slot.score, slot.done = stored.task, stored.score, stored.done
-        return {"observation": stored.snapshot.observation, "state_key": key,
+        return {"observation": stored.snapshot.observation, **key,
                 "score": slot.score, "done": slot.done}
 
     def fork(self, idx: int, sid: str | None = None) -> dict[str, Any]:

@@ -188,6 +188,7 @@ class RemoteEnv(Env):
         self._task: Task | None = None
         self._actions: tuple[str, ...] = ()
         self._obs, self._key, self._ref, self._score = "", "", None, 0.0
+        self._dedup = ""  # the server's dedup key for this state ("" when it sends none)
         self._pending: Snapshot | None = None  # restored, not yet replayed (AgentGym servers)
         self.replays = 0  # restores done by replay (no stored snapshot on the server)
         self.divergences = 0  # replays that reached another state (then tried again)
@@ -228,9 +229,10 @@ class RemoteEnv(Env):
         if self.native:
             out = self.http.call("POST", "/reset", self._body(task=_task_dict(task), snapshot=True))
             self._obs, self._key, self._ref = out["observation"], out["state_key"], out.get("snapshot_id")
+            self._dedup = out.get("dedup_key") or ""
         else:
             self._obs, self._ref = self._reset_agentgym(task), None
-            self._key = self._state_key(task, self._obs)
+            self._key, self._dedup = self._state_key(task, self._obs), ""
         self._task, self._actions, self._score = task, (), 0.0
         return self._obs
 
@@ -280,6 +282,7 @@ class RemoteEnv(Env):
             success = bool(out.get("success", legacy.get("success", False)))
             valid = bool(out.get("valid", legacy.get("valid", True)))
             self._key, self._ref = out["state_key"], out.get("snapshot_id")
+            self._dedup = out.get("dedup_key") or ""
         else:
             obs = str(out["observation"] if "observation" in out else out.get("state", ""))
             self._score = float(out["score"]) if out.get("score") is not None else self._score + reward
@@ -290,7 +293,7 @@ class RemoteEnv(Env):
                 success = out["success"]
             else:
                 success = self.profile.success(reward, self._score, done)
-            self._key, self._ref = self._state_key(self._task, obs), None
+            self._key, self._ref, self._dedup = self._state_key(self._task, obs), None, ""
         # Gymnasium's two flags when the server sends them; a bare ``done`` counts as terminated
         terminated = bool(out.get("terminated", done and not out.get("truncated")))
         truncated = bool(out.get("truncated", False))
@@ -303,6 +306,12 @@ class RemoteEnv(Env):
 
     def state_key(self) -> str:
         return self._pending.state_key if self._pending else self._key
+
+    def dedup_key(self) -> str:
+        """The served env's own dedup key when its server sends one, else the state key."""
+        if self._pending:
+            return self._pending.dedup_key or self._pending.state_key
+        return self._dedup or self._key
 
     def close(self) -> None:
         """Close the env on the server; never raises (a server that is gone expires it anyway)."""
@@ -322,7 +331,7 @@ class RemoteEnv(Env):
         if self.native and self._ref is None:
             self._ref = self.http.call("POST", "/snapshot", self._body())["snapshot_id"]
         return Snapshot("replay", RemotePrefix(self._task, self._actions, self._ref, self.origin),
-                        self._key, self._obs, self.name)
+                        self._key, self._obs, self.name, self._dedup)
 
     def restore(self, snapshot: Snapshot) -> None:
         """Restore by the server's stored snapshot when it still has it, else by replay (on an
@@ -342,6 +351,7 @@ class RemoteEnv(Env):
                                    f"expected {snapshot.state_key}")
                 self._task, self._actions, self._ref = task, tuple(actions), ref
                 self._obs, self._key = out["observation"], out["state_key"]
+                self._dedup = out.get("dedup_key") or ""
                 return
         self._pending = snapshot
         if self.native:
@@ -381,6 +391,7 @@ class RemoteEnv(Env):
         twin = RemoteEnv(self.http.url, self.name, http=self.http, info=self._info(), _env_id=out["id"])
         twin._task, twin._actions = self._task, self._actions
         twin._obs, twin._key = out["observation"], out["state_key"]
+        twin._dedup = out.get("dedup_key") or ""
         return twin
 
     def _info(self) -> dict[str, Any]:

@@ -275,6 +275,7 @@ def create_app(env: str, *, max_envs: int = 64, idle_timeout: float = 600.0,
         task_id: str
         instruction: str
         state_key: str
+        dedup_key: str | None = Field(None, description="the env's dedup key, when it has one of its own (Env.dedup_key)")
         snapshot_id: str | None = None
         task_name: str | None = Field(None, description="SciWorld: ScienceWorld's task name")
         var_num: int | None = Field(None, description="SciWorld: the task's variation")
@@ -293,6 +294,7 @@ def create_app(env: str, *, max_envs: int = 64, idle_timeout: float = 600.0,
         valid: bool = Field(description="false when the action was malformed or not admissible")
         info: dict[str, Any]
         state_key: str
+        dedup_key: str | None = Field(None, description="the env's dedup key, when it has one of its own (Env.dedup_key)")
         snapshot_id: str | None = None
         state: str | None = Field(None, description="the observation again, under WebShop's name "
                                                     "(sent when the request named env_idx)")
@@ -300,11 +302,13 @@ def create_app(env: str, *, max_envs: int = 64, idle_timeout: float = 600.0,
     class SnapshotOut(BaseModel):
         snapshot_id: str
         state_key: str
+        dedup_key: str | None = Field(None, description="the env's dedup key, when it has one of its own (Env.dedup_key)")
         observation: str
 
     class RestoreOut(BaseModel):
         observation: str
         state_key: str
+        dedup_key: str | None = Field(None, description="the env's dedup key, when it has one of its own (Env.dedup_key)")
         score: float
         done: bool
 
