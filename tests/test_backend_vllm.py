@@ -343,3 +343,23 @@ def test_outputs_under_a_grammar_parse_and_logprobs_are_masked(policy) -> None:
             assert g.logprobs[i] == pytest.approx(torch.log_softmax(row[0], -1)[t].item(), abs=2e-3)
             if t not in policy.tokenizer.eos_token_ids:
                 guide.accept(t)
+
+
+@needs_vllm
+def test_a_grammar_constrains_every_sample_and_logprobs_are_the_masked_ones(policy) -> None:
+    """The same grammar as on hf and llama.cpp (a Think/Act frame over listed actions, and an
+    action language from rules): every sampled text parses, is stamped constrained, and its
+    logprobs are those of the masked, renormalised distribution (each at most 0 and summing
+    higher than the raw model would give the same tokens)."""
+    from omrl_search.constrain import Grammar, check
+
+    listed = Grammar.one_of(["up", "down", "left", "right"], "test")
+    rules = Grammar.from_rules('action ::= num " " op " " num\nnum ::= "4" | "6" | "10"\n'
+                               'op ::= "+" | "-" | "*"', "test", think=None, act="Act: ")
+    for grammar in (listed, rules):
+        r = req(policy, MSGS[1], temperature=1.0, max_tokens=48, n=6, seed=5)
+        r.grammar = grammar
+        for g in policy.generate([r])[0]:
+            assert check(grammar, g.text) in ("ok", "partial"), g.text
+            assert g.constrained and g.constraint == "actions"
+            assert all(lp <= 1e-6 for lp in g.logprobs)
