@@ -7,7 +7,7 @@ merge edges Graph-of-Thoughts adds (making it a DAG).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import networkx as nx
 
@@ -116,15 +116,16 @@ def dedup_key(node: Node) -> str:
     return (snap.dedup_key if snap is not None else "") or node.state_key
 
 
-def unique_states(nodes: Iterable[Node], seen: set[str] | None = None, *,
-                  keep_failed: bool = False) -> list[Node]:
+def unique_states(nodes: Iterable[Node], seen: set | None = None, *,
+                  keep_failed: bool = False, key: Callable[[Node], Any] | None = None) -> list[Node]:
     """``nodes`` without repeated states, in order: a node whose :func:`dedup_key` is in
     ``seen`` (or was met earlier in ``nodes``) is marked pruned (:data:`DUPLICATE`) and left
     out, so one state is expanded and scored once. Failed nodes have no state: left out, or
     kept with ``keep_failed``; nodes already pruned are left out. ``seen`` is updated in place.
 
     The one dedup rule of the engine (``expand(dedup=True)``, ``apply``: against a node's
-    existing children) and of the strategies' frontiers."""
+    existing children) and of the strategies' frontiers. ``key`` replaces the dedup key (e.g.
+    ToT's ``dedup=text``: the action texts from the root)."""
     if seen is None:
         seen = set()
     out = []
@@ -136,12 +137,15 @@ def unique_states(nodes: Iterable[Node], seen: set[str] | None = None, *,
             continue
         if status == PRUNED:
             continue
-        snap = n.snapshot
-        key = (snap.dedup_key if snap is not None else "") or n.state_key
-        if key in seen:
+        if key is None:
+            snap = n.snapshot
+            k = (snap.dedup_key if snap is not None else "") or n.state_key
+        else:
+            k = key(n)
+        if k in seen:
             n.status, n.error = PRUNED, DUPLICATE
             continue
-        seen.add(key)
+        seen.add(k)
         out.append(n)
     return out
 

@@ -31,7 +31,7 @@ from operator import attrgetter
 from typing import Any, Callable, Iterable, Sequence
 
 from omrl_search.reward import AGGREGATIONS, aggregate
-from omrl_search.tree import DUPLICATE, FAILED, PRUNED, TERMINAL, Node, unique_states
+from omrl_search.tree import FAILED, PRUNED, TERMINAL, Node, unique_states
 
 SOURCES = ("auto", "rm", "heuristic", "lm", "logprob", "rollout")
 
@@ -381,18 +381,7 @@ def dedup_nodes(ctx, nodes: Iterable[Node], mode: str, seen: set | None = None) 
         return unique_states(nodes, seen)
     if mode == "none":
         return [n for n in nodes if n.status not in (FAILED, PRUNED)]
-    seen = set() if seen is None else seen
-    out = []
-    for n in nodes:
-        if n.status in (FAILED, PRUNED):
-            continue
-        key = text_key(ctx, n)
-        if key in seen:
-            n.status, n.error = PRUNED, DUPLICATE
-            continue
-        seen.add(key)
-        out.append(n)
-    return out
+    return unique_states(nodes, seen, key=lambda n: text_key(ctx, n))
 
 
 def zero_repeats(ctx, nodes: Sequence[Node], values: Sequence[float]) -> list[float]:
