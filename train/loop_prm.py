@@ -13,6 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
+from .prm import step_predictions  # the PRM trainer's own step scoring (evaluate uses it too)
+
 BINS = 10
 
 
@@ -34,21 +36,6 @@ def reliability(preds: Sequence[float], labels: Sequence[float], bins: int = BIN
         rows.append({"lo": round(b / bins, 3), "hi": round((b + 1) / bins, 3), "steps": len(pts),
                      "mean_pred": round(mp, 4), "mean_label": round(my, 4)})
     return {"steps": n, "ece": round(ece, 4) if n else None, "bins": rows}
-
-
-def step_predictions(prm: Any, rows: Sequence[dict[str, Any]]) -> tuple[list[float], list[float], list[bool]]:
-    """The PRM's score, the soft label and "is a finished row's last step" of every distinct step
-    of ``rows`` (one causal pass per row scores all of its steps)."""
-    from reward_models.inputs import episode_from_row
-
-    from .prm import unique_steps
-
-    steps = unique_steps(rows)
-    once = list({id(r): r for r, _, _ in steps}.values())
-    scores = {id(r): s for r, s in zip(once, prm.score_episodes([episode_from_row(r) for r in once]))}
-    preds = [float(scores[id(r)][n - 1]) for r, n, _ in steps]
-    gold = [float(r["soft_labels"][n - 1]) for r, n, _ in steps]
-    return preds, gold, [end for _, _, end in steps]
 
 
 def calibration(model_dir: str | Path, label_dirs: Sequence[str], val_fraction: float) -> dict[str, Any] | None:

@@ -132,27 +132,36 @@ def unique_steps(rows: Sequence[dict[str, Any]]) -> list[tuple[dict[str, Any], i
     return out
 
 
+def step_predictions(prm: Any, rows: Sequence[dict[str, Any]]) -> tuple[list[float], list[float], list[bool]]:
+    """The score of ``prm``, the soft label and "is a finished row's last step" of every distinct
+    step of ``rows`` (:func:`unique_steps`). An ORM scores each step's own prefix; a PRM is
+    causal, so one pass over a row gives the scores of all its steps."""
+    from reward_models.inputs import episode_from_row, truncate
+
+    steps = unique_steps(rows)
+    if getattr(prm, "kind", None) == "orm":
+        preds = [float(s[-1]) for s in prm.score_episodes(
+            [truncate(episode_from_row(r), n) for r, n, _ in steps])]
+    else:
+        rows_once = list({id(r): r for r, _, _ in steps}.values())
+        score_of = {id(r): s for r, s in zip(rows_once, prm.score_episodes(
+            [episode_from_row(r) for r in rows_once]))}
+        preds = [float(score_of[id(r)][n - 1]) for r, n, _ in steps]
+    gold = [float(r["soft_labels"][n - 1]) for r, n, _ in steps]
+    return preds, gold, [end for _, _, end in steps]
+
+
 def evaluate(prm: Any, rows: Sequence[dict[str, Any]], threshold: float = 0.5) -> dict[str, Any]:
     """Step-level AUC / accuracy / BCE of ``prm`` on distinct steps of ``rows`` (all steps, and
     ``*_before_end``: without the final steps of finished rows, whose observation shows the
     outcome)."""
-    from reward_models.inputs import episode_from_row, truncate
     from reward_models.metrics import step_metrics
 
-    steps = unique_steps(rows)
-    if not steps:
+    preds, gold, ends = step_predictions(prm, rows)
+    if not preds:
         return {}
-    if prm.kind == "orm":  # one score per prefix: score every step's own prefix
-        scores = prm.score_episodes([truncate(episode_from_row(r), n) for r, n, _ in steps])
-        preds = [s[-1] for s in scores]
-    else:  # causal: one pass over a row gives the scores of all its steps
-        rows_once = list({id(r): r for r, _, _ in steps}.values())
-        score_of = {id(r): s for r, s in zip(rows_once, prm.score_episodes(
-            [episode_from_row(r) for r in rows_once]))}
-        preds = [score_of[id(r)][n - 1] for r, n, _ in steps]
-    gold = [float(r["soft_labels"][n - 1]) for r, n, _ in steps]
     out = step_metrics(preds, gold, threshold)
-    inner = [(p, y) for (p, y), (_, _, end) in zip(zip(preds, gold), steps) if not end]
+    inner = [(p, y) for p, y, end in zip(preds, gold, ends) if not end]
     if inner:
         sub = step_metrics([p for p, _ in inner], [y for _, y in inner], threshold)
         out.update({f"{k}_before_end": v for k, v in sub.items()})
