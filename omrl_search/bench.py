@@ -208,7 +208,6 @@ def _run_logged(tasks: list[Task], strats: list[Strategy], kind: str, limits: li
                 results = search_many(tasks, strategy=strat, budget={kind: limit}, on_result=on_result,
                                       **search_kwargs)
             row = rows[name][label] = {"strategy": strat.spec(), **summarize(results, time.perf_counter() - t0)}
-            row.update(prompt_split(results))
             solved[name, label] = outcomes(results)
             del results
             if si:
@@ -218,15 +217,6 @@ def _run_logged(tasks: list[Task], strats: list[Strategy], kind: str, limits: li
         if bar is not None:
             bar.close()
     return rows
-
-
-def prompt_split(results: Sequence[Any]) -> dict[str, int]:
-    """Prompt tokens summed over ``results`` split in two (see :mod:`omrl_search.budget`):
-    ``prefill_tokens``, computed by the backend, and ``cached_tokens``, served by its prefix
-    cache. Results written before the split count every prompt token as prefill."""
-    cached = sum(int(r.spent.get("cached_tokens", 0)) for r in results)
-    prompt = sum(int(r.spent.get("prompt_tokens", 0)) for r in results)
-    return {"prefill_tokens": prompt - cached, "cached_tokens": cached}
 
 
 def outcome_line(name: str, label: str, r: Any) -> dict[str, Any]:
