@@ -128,6 +128,8 @@ def unique_states(nodes: Iterable[Node], seen: set | None = None, *,
     ToT's ``dedup=text``: the action texts from the root)."""
     if seen is None:
         seen = set()
+    if key is None:
+        key = dedup_key
     out = []
     for n in nodes:
         status = n.status
@@ -137,11 +139,7 @@ def unique_states(nodes: Iterable[Node], seen: set | None = None, *,
             continue
         if status == PRUNED:
             continue
-        if key is None:
-            snap = n.snapshot
-            k = (snap.dedup_key if snap is not None else "") or n.state_key
-        else:
-            k = key(n)
+        k = key(n)
         if k in seen:
             n.status, n.error = PRUNED, DUPLICATE
             continue
