@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from .agent import TurnEncoder
 from .export_common import ExportError, Renderer, env_reward, outcome, segments_from_messages
@@ -30,6 +30,21 @@ def _row(r: Renderer, tree: SearchTree, path: list[Node], mask_invalid: bool) ->
             "success": bool(leaf.success), "reward": env_reward(path), "steps": len(path) - 1}
 
 
+def _distinct(paths: Iterable[tuple[SearchTree, list[Node]]], by: str, limit: int
+              ) -> Iterator[tuple[SearchTree, list[Node]]]:
+    """The first ``limit`` (at least one) of ``paths`` whose steps' ``by`` field (``completion``
+    or ``action``) differ, in order; ``paths`` is consumed lazily."""
+    seen: set[tuple[str, ...]] = set()
+    for tree, path in paths:
+        key = tuple(getattr(n.step, by) for n in path[1:])
+        if key in seen:
+            continue
+        seen.add(key)
+        yield tree, path
+        if len(seen) >= limit:
+            return
+
+
 def sft_rows(results: Iterable[SearchResult], *, top_k: int = 1, include_failures: bool = False,
              tokenizer: TurnEncoder | None = None, mask_invalid: bool = True) -> list[dict[str, Any]]:
     """Rejection sampling: per result, up to ``top_k`` distinct finished trajectories, successful
@@ -40,16 +55,8 @@ def sft_rows(results: Iterable[SearchResult], *, top_k: int = 1, include_failure
         tree = res.tree
         leaves = [n for n in tree.terminals() if n.parent is not None and (n.success or include_failures)]
         leaves.sort(key=lambda n: (-outcome(n), n.depth, n.id))
-        seen: set[tuple[str, ...]] = set()
-        for leaf in leaves:
-            path = tree.path(leaf)
-            key = tuple(n.step.completion for n in path[1:])
-            if key in seen:
-                continue
-            seen.add(key)
-            rows.append(_row(r, tree, path, mask_invalid))
-            if len(seen) >= top_k:
-                break
+        paths = ((tree, tree.path(leaf)) for leaf in leaves)
+        rows += [_row(r, t, p, mask_invalid) for t, p in _distinct(paths, "completion", top_k)]
     return rows
 
 
@@ -71,15 +78,8 @@ def rs_sft_rows(results: Iterable[SearchResult], *, cap: int = 4, tokenizer: Tur
     rows = []
     for found in per_task.values():
         found.sort(key=lambda f: f[:3])
-        seen: set[tuple[str, ...]] = set()
-        for *_, tree, path in found:
-            actions = tuple(n.step.action for n in path[1:])
-            if actions in seen:
-                continue
-            seen.add(actions)
-            rows.append(_row(r, tree, path, mask_invalid))
-            if len(seen) >= cap:
-                break
+        paths = ((tree, path) for *_, tree, path in found)
+        rows += [_row(r, t, p, mask_invalid) for t, p in _distinct(paths, "action", cap)]
     return rows
 
 
