@@ -5,7 +5,7 @@ from __future__ import annotations
 import omrl_search as om
 from omrl_search.backends.scripted import OraclePolicy
 from omrl_search.constrain import Grammar
-from omrl_search.engine import Engine, grammar_fields
+from omrl_search.engine import Engine
 from omrl_search.result import SearchResult
 
 TASKS = om.load_tasks("sokoban", "test", limit=3)
@@ -69,5 +69,5 @@ def test_unconstrained_and_ignored_grammars_record_none():
 
 def test_grammar_fields_rebuild_the_grammar():
     g = Grammar.one_of(["up", "down"], "demo", think=None, act="Act: ")
-    assert Grammar(**grammar_fields(g)) == g
-    assert grammar_fields(g)["think"] is None and grammar_fields(g)["source"] == "demo"
+    assert Grammar(**g.to_record()) == g
+    assert g.to_record()["think"] is None and g.to_record()["source"] == "demo"

@@ -1,0 +1,229 @@
+"""One :meth:`~omrl_search.engine.Engine.run`: the driver loop that keeps many searches moving.
+
+It starts tasks up to the run's concurrency, resumes each tree's coroutine with the answer to
+its last op, queues the op it yields next (LM requests, evaluations, scorings), and asks the
+engine to serve what is waiting: one policy call (``continuous``), everything (``lockstep``), or
+submit/collect with a streaming backend. What serving means — batching, budgets, deadlines,
+building children — stays in :class:`~omrl_search.engine.Engine`; this module only schedules
+(see docs/design.md §5).
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+from .batching import (BackgroundCall, Crashed, LMWait, Round, TimedCall, WaitingRequests,
+                       prompt_key, serve_scores, timeout, wait_staged)
+from .budget import Budget, BudgetExhausted
+from .ops import EvaluateOp, ScoreOp, SearchContext
+from .prompts import ConstraintError
+from .result import SearchResult
+from .types import Task
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .engine import Engine
+
+
+class Run:
+    """One :meth:`Engine.run`: the tasks not yet started, the live searches (context and
+    coroutine) and what each waits on; :meth:`loop` serves them until every task has a result."""
+
+    __slots__ = ("engine", "strategy", "budget", "on_result", "queue", "results", "limit", "live",
+                 "waiting", "evals", "scores", "ready", "inflight", "streaming", "collecting",
+                 "pending")
+
+    def __init__(self, engine: "Engine", strategy: Any, tasks: Iterable[Task], budget: Budget,
+                 concurrency: int | None, on_result: Callable[[SearchResult], None] | None):
+        self.engine, self.strategy, self.budget, self.on_result = engine, strategy, budget, on_result
+        self.queue = deque(enumerate(tasks))
+        self.results: list[SearchResult | None] = [None] * len(self.queue)
+        self.limit = concurrency or len(self.queue) or 1
+        self.live: dict[int, tuple[SearchContext, Any]] = {}
+        self.waiting = WaitingRequests()  # LM requests not yet sent
+        self.evals: dict[int, EvaluateOp] = {}  # evaluations not yet served, by tree
+        self.scores: dict[int, ScoreOp] = {}  # scorings not yet served, by tree
+        self.ready: list[tuple[int, Any]] = []  # trees to resume at once (an op with no requests)
+        # streaming: submitted, not yet answered: (wait, slot, deadline) by ticket
+        self.inflight: dict[int, tuple[LMWait, int, float | None]] = {}
+        self.streaming = engine.schedule == "continuous" and bool(getattr(engine.policy, "streams", False))
+        self.collecting: BackgroundCall | None = None  # a timed collect() still running
+        self.pending: tuple[TimedCall, list[tuple[LMWait, int]]] | None = None  # a timed call running
+
+    def loop(self) -> list[SearchResult]:
+        engine = self.engine
+        while self.queue or self.live:
+            while self.queue and len(self.live) < self.limit:
+                self.start(*self.queue.popleft())
+            if self.ready:
+                now, self.ready = self.ready, []
+                for i, value in now:
+                    self.advance(i, value)
+                continue
+            if not (self.waiting or self.evals or self.scores or self.inflight or self.pending):
+                if self.live:  # every live search waits on something: a driver bug
+                    raise RuntimeError("engine: live searches with nothing to serve")
+                continue
+            if self.pending is not None:
+                answers = self.resume()
+            elif self.streaming:
+                answers = self.stream()
+            else:
+                step = self.next_step()
+                answers = engine._serve(step)
+                self.pending = step.pending
+                self.waiting.put_back(step.unserved)
+            for i in sorted(answers):
+                self.advance(i, answers[i])
+        return self.results  # type: ignore[return-value]
+
+    def start(self, i: int, task: Task) -> None:
+        started = self.engine._start(self.strategy, task, self.budget)
+        if isinstance(started, SearchResult):
+            self.done(i, started)
+            return
+        self.live[i] = (started, self.strategy.run(started))
+        self.advance(i, None)
+
+    def done(self, i: int, result: SearchResult) -> None:
+        self.results[i] = result
+        if self.on_result is not None:
+            self.on_result(result)
+
+    def finish(self, i: int, stop: str) -> None:
+        ctx, _ = self.live.pop(i)
+        result = self.engine._result(self.strategy, ctx, stop)
+        ctx.envs.close()
+        self.done(i, result)
+
+    def advance(self, i: int, value: Any) -> None:
+        """Resume tree ``i`` with ``value`` and queue the op it yields next."""
+        ctx, coro = self.live[i]
+        if type(value) is Crashed:  # the engine failed building this tree's answer
+            coro.close()
+            ctx.faults.append(f"engine: {value.error}")
+            self.finish(i, "error")
+            return
+        try:
+            op = coro.send(value)
+        except StopIteration:
+            self.finish(i, "done")
+        except BudgetExhausted as exc:
+            self.finish(i, exc.stop_reason)
+        except Exception as exc:  # a crashing strategy loses only its own task
+            ctx.faults.append(f"strategy: {type(exc).__name__}: {exc}")
+            self.finish(i, "error")
+        else:
+            if type(op) is EvaluateOp:
+                self.evals[i] = op
+                return
+            if type(op) is ScoreOp:
+                self.scores[i] = op
+                return
+            try:
+                wait = self.engine._wait(i, op)
+            except ConstraintError:  # a setting that cannot be honoured: the run's error
+                coro.close()
+                raise
+            except Exception as exc:  # a prompt that cannot be built ends its own search
+                coro.close()
+                ctx.faults.append(f"engine: {type(exc).__name__}: {exc}")
+                self.finish(i, "error")
+                return
+            if wait.left:
+                self.waiting.add(wait)
+            else:
+                self.ready.append((i, self.engine._answer_safely(wait)))
+
+    def resume(self) -> dict[int, Any]:
+        """Wait on the timed call still running (to its next deadline or its end)."""
+        timed, items = self.pending  # type: ignore[misc]
+        got = timed.advance()
+        if timed.done:
+            self.pending = None
+        answers: dict[int, Any] = {}
+        self.engine._deliver(items, got, answers)
+        return answers
+
+    def next_step(self) -> Round:
+        """What the engine serves next: LM requests taken from ``waiting`` and evaluations
+        taken from ``evals``. ``lockstep``: everything. ``continuous``: the pending evaluations
+        while fewer than ``max_batch`` sequences wait (their trees may top the next call up),
+        else one policy call's worth: the oldest request and (``prefix_order``) its neighbours
+        in prompt order, or the next oldest."""
+        engine, waiting = self.engine, self.waiting
+        if engine.schedule == "lockstep":
+            return Round(waiting.take(None), *self.side_work())
+        if (self.evals or self.scores) and waiting.seqs < engine.policy.max_batch:
+            return Round([], *self.side_work())
+        return Round(waiting.take(engine.policy.max_batch, prompt_key if engine.prefix_order else None))
+
+    def side_work(self) -> tuple[list[tuple[int, EvaluateOp]], list[tuple[int, ScoreOp]]]:
+        """The pending evaluations and scorings, taken."""
+        ev, sc = list(self.evals.items()), list(self.scores.items())
+        self.evals.clear()
+        self.scores.clear()
+        return ev, sc
+
+    def stream(self) -> dict[int, Any]:
+        """One driver step with a streaming backend: submit every waiting request (the backend's
+        scheduler adds them to what is running), then serve the pending evaluations, or else
+        collect the requests done so far. Returns the answers of the ops now complete."""
+        engine, inflight = self.engine, self.inflight
+        answers: dict[int, Any] = {}
+        done: list[tuple[int, Any]] = []
+        if self.waiting:
+            items = self.waiting.take(None)
+            if engine.prefix_order:
+                items.sort(key=lambda item: prompt_key(item[0].requests[item[1]]))
+            tickets = []
+            for wait, slot in items:
+                engine._tickets += 1
+                inflight[engine._tickets] = (wait, slot, engine._deadline(wait))
+                tickets.append((engine._tickets, wait.requests[slot]))
+            try:
+                engine.policy.submit(tickets)
+            except Exception as exc:  # the whole submission failed: each request fails alone
+                done = [(t, exc) for t, _ in tickets]
+        if (self.evals or self.scores) and not done:
+            ev, sc = self.side_work()
+            answers = engine._evaluate_all(ev) if ev else {}
+            if sc:
+                answers.update(serve_scores(engine.policy, sc))
+            return answers
+        if not done:
+            done = self.collect()
+        for ticket, gens in done:
+            entry = inflight.pop(ticket, None)
+            if entry is None:  # answered late, after its request was abandoned
+                continue
+            wait, slot, _ = entry
+            if wait.answer(slot, gens):
+                answers[wait.i] = engine._answer_safely(wait)
+        return answers
+
+    def collect(self) -> list[tuple[int, Any]]:
+        """The streaming policy's ``collect()``; with deadlines on a thread (one at a time: a
+        collect abandoned earlier is waited on again), waited for until the in-flight requests'
+        deadlines: those past theirs fail with LMTimeout. A collect that raises fails every
+        request in flight."""
+        policy, inflight = self.engine.policy, self.inflight
+        deadlines = [d for _, _, d in inflight.values()]
+        try:
+            if self.collecting is None and all(d is None for d in deadlines):
+                done = policy.collect()
+            else:
+                call = self.collecting or BackgroundCall(policy.collect)
+                expired = wait_staged(call, deadlines)
+                late = {t: d for (t, (_, _, d)), e in zip(inflight.items(), expired) if e}
+                fail = [(t, timeout(call, d)) for t, d in late.items()]
+                if late and len(late) == len(inflight):  # left running; looked at again next time
+                    self.collecting = call
+                    return fail
+                self.collecting = None
+                done = [(t, g) for t, g in call.result() if t not in late] + fail
+        except Exception as exc:
+            self.collecting = None
+            return [(t, exc) for t in inflight]
+        if not done:
+            raise RuntimeError("engine: a streaming policy's collect() returned nothing")
+        return done
