@@ -131,22 +131,19 @@ class MCTS(Strategy):
                 elif not live:
                     self._kill(ctx, leaf)
                     dead.append(leaf)  # a dead end: backed up as a 0
-            fresh = [t for t in targets if t.id not in finished]  # a finished leaf chosen again
-            got = {}                                              # is backed up, not re-valued
-            if fresh:
-                for t, v in zip(fresh, await value(ctx, fresh)):
-                    got[t.id] = v
-                    if t.terminal:
-                        finished[t.id] = v
-            self._backup(ctx, [(t, got[t.id] if t.id in got else finished[t.id])
-                               for t in targets if t.id in got or t.id in finished]
-                         + [(t, 0.0) for t in dead])
+            # every target is valued here for the first time: a finished leaf valued before
+            # never reaches the batch (_select_batch backs it up at once)
+            values = await value(ctx, targets) if targets else []
+            for t, v in zip(targets, values):
+                if t.terminal:
+                    finished[t.id] = v
+            self._backup(ctx, list(zip(targets, values)) + [(t, 0.0) for t in dead])
             if self.solver:
                 self._close_lost(ctx, targets)
-            if self.stop_on_success and self._solved(ctx, fresh):
+            if self.stop_on_success and self._solved(ctx, targets):
                 return
-            if self.reflect and fresh:
-                await self._reflect(ctx, fresh)
+            if self.reflect and targets:
+                await self._reflect(ctx, targets)
 
     def _close_lost(self, ctx, targets) -> None:
         """MCTS-Solver (Winands, Bjornsson and Saito 2008), for envs whose ends are final: a
@@ -159,11 +156,11 @@ class MCTS(Strategy):
                 self._kill(ctx, t)
 
     @staticmethod
-    def _solved(ctx, fresh) -> bool:
+    def _solved(ctx, targets) -> bool:
         """LATS's stop: a node valued this round, or the end of its rollout, is a solved
         terminal (the env's success check: flags the result); remembered for :meth:`select`."""
         rollout = ctx.scratch.get("rollout", {})
-        for t in fresh:
+        for t in targets:
             end = ctx.tree.nodes[rollout.get(t.id, t.id)]
             if end.terminal and end.status != FAILED and ctx.verify(end):
                 ctx.scratch["solved"] = end
