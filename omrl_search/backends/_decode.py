@@ -4,7 +4,8 @@ each chunk prefilled and then decoded one token per step for all its rows togeth
 :class:`ChunkedDecoder` holds the loop; a backend supplies the model-specific parts (prefill a
 chunk, sample a batch of logits, feed the sampled tokens back) as the methods listed there.
 :class:`Row` is one sequence's bookkeeping; :func:`prefix_groups` finds the prompt prefixes a
-chunk shares, which both backends compute once.
+chunk shares, which both backends compute once; :func:`common_prefix` is what their prefix caches
+match prompts with.
 """
 from __future__ import annotations
 
@@ -231,13 +232,30 @@ def _can_check() -> bool:
     return importlib.util.find_spec("xgrammar") is not None
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int], cap: int) -> int:
+    """Length of the longest common prefix of ``a`` and ``b`` (both lists or both tuples), at
+    most ``cap``: slices compared in C, bisected (both backends' prefix caches use it)."""
+    n = min(len(a), len(b), cap)
+    if n <= 0:
+        return 0
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def _shared_prefix(prompts: list[list[int]]) -> int:
     """Length of the longest prefix all ``prompts`` share, leaving each at least one token."""
     first = prompts[0]
     n = min(len(p) for p in prompts) - 1
     for p in prompts[1:]:
-        while n > 0 and p[:n] != first[:n]:
-            n = next((i for i in range(n) if p[i] != first[i]), n)
+        n = common_prefix(p, first, n)
     return max(n, 0)
 
 

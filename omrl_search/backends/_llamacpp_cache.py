@@ -19,23 +19,7 @@ import ctypes
 from collections import OrderedDict
 from typing import Any, Sequence
 
-
-def common_prefix(a: Sequence[int], b: Sequence[int], cap: int) -> int:
-    """Length of the longest common prefix of ``a`` and ``b`` (both lists or both tuples), at
-    most ``cap``."""
-    n = min(len(a), len(b), cap)
-    if n <= 0:
-        return 0
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+from ._decode import common_prefix
 
 
 class SeqStateStore:

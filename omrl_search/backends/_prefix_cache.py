@@ -19,6 +19,8 @@ from __future__ import annotations
 import heapq
 from typing import Any, Callable, Sequence
 
+from ._decode import common_prefix
+
 
 class _Node:
     __slots__ = ("tokens", "kv", "children", "parent", "last", "nbytes")
@@ -30,17 +32,6 @@ class _Node:
         self.parent = parent
         self.last = 0
         self.nbytes = 0 if kv is None else kv.numel() * kv.element_size()
-
-
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the common prefix of ``a`` and ``b``."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    i = 0
-    while a[i] == b[i]:
-        i += 1
-    return i
 
 
 class RadixCache:
@@ -66,14 +57,15 @@ class RadixCache:
 
     # --- reading ---------------------------------------------------------------------------
     def _walk(self, tokens: Sequence[int], limit: int) -> tuple[int, list[tuple[_Node, int]]]:
-        """How many of ``tokens[:limit]`` the tree holds, and the nodes on that path with how
-        many of each node's tokens are used (the last may be used in part)."""
+        """How many of ``tokens[:limit]`` (a list, like the nodes' tokens) the tree holds, and
+        the nodes on that path with how many of each node's tokens are used (the last may be
+        used in part)."""
         node, i, path = self.root, 0, []
         while i < limit:
             child = node.children.get(tokens[i])
             if child is None:
                 break
-            n = _common(child.tokens, tokens[i:limit])
+            n = common_prefix(child.tokens, tokens[i:limit], limit - i)
             path.append((child, n))
             i += n
             if n < len(child.tokens):
