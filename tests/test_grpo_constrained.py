@@ -46,7 +46,7 @@ def _rows(samples, builder, grammar_field=True):
         row = builder.from_segments(segs)
         row.reward, row.group = float(i % 2), 0
         rows.append(row)
-    return grpo.assign_advantages(rows, "grpo", False)
+    return grpo.assign_advantages(rows, "grpo")
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed", "shared-prefix", None])

@@ -119,10 +119,9 @@ def needs_values(advantage: str) -> bool:
     return bool(getattr(ADVANTAGES[advantage], "needs_values", False))
 
 
-def assign_advantages(rows: list[TokenRow], advantage: str, drop_flat: bool) -> list[TokenRow]:
+def assign_advantages(rows: list[TokenRow], advantage: str) -> list[TokenRow]:
     """The named group estimator's advantages on the rows (by their ``group``; a value-based
-    estimator is left to the trainer's batches), optionally without the groups that carry no
-    signal (:func:`split_flat`)."""
+    estimator is left to the trainer's batches). Flat groups are dropped by :func:`split_flat`."""
     import torch
 
     if not rows:
@@ -132,7 +131,7 @@ def assign_advantages(rows: list[TokenRow], advantage: str, drop_flat: bool) -> 
         groups = torch.tensor([r.group for r in rows])
         for r, a in zip(rows, ADVANTAGES[advantage](rewards, groups).tolist()):
             r.advantage = a
-    return split_flat(rows)[0] if drop_flat else rows
+    return rows
 
 
 def split_flat(rows: list[TokenRow]) -> tuple[list[TokenRow], dict[str, float]]:
@@ -258,7 +257,7 @@ class RolloutSource:
             raise TrainError(f"online GRPO: {passes} sampling passes gave no trainable group "
                              f"({int(counts['groups_sampled'])} groups, {int(counts['groups_flat'])} "
                              f"with equal rewards{why})")
-        rows = assign_advantages(rows, self.cfg.advantage, False)
+        rows = assign_advantages(rows, self.cfg.advantage)
         n_mb = on.steps_per_round * self.cfg.grad_accum
         random.Random(self.cfg.seed * 7919 + self.round).shuffle(rows)
         size = -(-len(rows) // n_mb)  # the round's rows split evenly (cycled when too few)
@@ -356,7 +355,7 @@ def make_source(cfg: GRPOConfig, model: Any, tok: Any) -> tuple[Any, int | None]
     every step)."""
     builder = make_builder(cfg, model, tok)
     if cfg.online is None:
-        rows = assign_advantages(load_grpo(cfg.data, builder), cfg.advantage, False)
+        rows = assign_advantages(load_grpo(cfg.data, builder), cfg.advantage)
         counts: dict[str, float] = {}
         if drops_flat(cfg):
             rows, counts = split_flat(rows)
