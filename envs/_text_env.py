@@ -92,15 +92,18 @@ def take_split(split: str, limit: int | None, splits: Sequence[str],
 
 
 Range = tuple[int, int]
+Choice = tuple[str, ...]  # a knob that takes one of a few words, e.g. ("on", "off")
 
 
-def task_knobs(env: str, split: str, given: dict[str, Any], known: dict[str, Range],
-               splits: Sequence[str] = ("train", "test")) -> tuple[str, dict[str, Range]]:
+def task_knobs(env: str, split: str, given: dict[str, Any], known: dict[str, Range | Choice],
+               splits: Sequence[str] = ("train", "test")) -> tuple[str, dict[str, Any]]:
     """The split and the difficulty knobs of a ``tasks()`` call: ``split`` may carry knobs
     (``"test:level=2"``, ``"train:numbers=4,target=10-99"``: what ``--split`` gives from the
-    CLI), ``given`` holds keyword knobs. Each knob is an int or a range ``LO-HI`` (a string or a
-    pair) within its bounds in ``known``; returns ``(split, {knob: (lo, hi)})``, knobs sorted.
-    Anything else is one ``ValueError`` line naming the env, the knob and what it takes."""
+    CLI), ``given`` holds keyword knobs (they win). A numeric knob is an int or a range
+    ``LO-HI`` (a string or a pair) within its bounds in ``known``, giving ``(lo, hi)``; a choice
+    knob (``known`` lists its words) is one of the words, any case, giving the word. Returns
+    ``(split, {knob: value})``, knobs sorted. Anything else is one ``ValueError`` line naming
+    the env, the knob and what it takes."""
     base, _, spec = split.partition(":")
     if base not in splits:
         raise ValueError(f"{env} has splits {' and '.join(map(repr, splits))}, not {base!r}")
@@ -114,10 +117,24 @@ def task_knobs(env: str, split: str, given: dict[str, Any], known: dict[str, Ran
     out = {}
     for key, value in sorted(raw.items()):
         if key not in known:
-            names = ", ".join(f"{k} ({lo}-{hi})" for k, (lo, hi) in known.items())
+            names = ", ".join(f"{k} ({'|'.join(b) if _is_choice(b) else '%d-%d' % b})"
+                              for k, b in known.items())
             raise ValueError(f"{env}: unknown task knob {key!r} (known: {names})")
-        out[key] = _knob_range(env, key, value, known[key])
+        bounds = known[key]
+        out[key] = (_knob_choice(env, key, value, bounds) if _is_choice(bounds)
+                    else _knob_range(env, key, value, bounds))
     return base, out
+
+
+def _is_choice(bounds: Range | Choice) -> bool:
+    return isinstance(bounds[0], str)
+
+
+def _knob_choice(env: str, key: str, value: Any, words: Choice) -> str:
+    word = value.strip().lower() if isinstance(value, str) else None
+    if word not in words:
+        raise ValueError(f"{env}: task knob {key} must be {' or '.join(words)}, got {value!r}")
+    return word
 
 
 def _knob_range(env: str, key: str, value: Any, bounds: Range) -> Range:

@@ -452,28 +452,14 @@ def instruction(numbers: list[int], target: int, answer_step: bool = False) -> s
 def arith_knobs(env: str, split: str, given: dict[str, Any], known: dict[str, Range],
                 answer: Any = None, splits: Sequence[str] = ("train", "test")
                 ) -> tuple[str, dict[str, Range], bool]:
-    """:func:`~envs._text_env.task_knobs` plus the knob ``answer=on|off`` (in the split,
+    """:func:`~envs._text_env.task_knobs` plus the choice knob ``answer=on|off`` (in the split,
     ``"test:level=2,answer=on"``, or the keyword ``answer``: on, off or a bool, which wins):
     returns ``(split, knobs, answer step on)``; a bad value is one ValueError line."""
-    base, _, spec = split.partition(":")
-    parts = []
-    for part in spec.split(","):
-        key, eq, value = part.partition("=")
-        if eq and key.strip() == "answer":
-            answer = value.strip() if answer is None else answer
-        elif part.strip():
-            parts.append(part.strip())
-    if isinstance(answer, str) and answer.lower() in ("on", "off"):
-        answer = answer.lower() == "on"
-    if answer is not None and not isinstance(answer, bool):
-        raise ValueError(f"{env}: task knob answer must be on or off, got {answer!r}")
-    try:
-        base, knobs = task_knobs(env, ":".join([base, ",".join(parts)]) if parts else base,
-                                 given, known, splits)
-    except ValueError as exc:
-        msg = str(exc)
-        raise ValueError(msg[:-1] + ", answer (on|off))" if "unknown task knob" in msg else msg) from None
-    return base, knobs, bool(answer)
+    if isinstance(answer, bool):
+        answer = "on" if answer else "off"
+    split, knobs = task_knobs(env, split, {**given, "answer": answer},
+                              {**known, "answer": ("on", "off")}, splits)
+    return split, knobs, knobs.pop("answer", "off") == "on"
 
 
 def answer_step_of(row: dict[str, Any]) -> bool:
