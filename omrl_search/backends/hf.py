@@ -216,19 +216,10 @@ class HFPolicy(ChunkedDecoder, Policy):
                  rows: list[Row]) -> tuple[dict[str, Any], Any]:
         torch = self._torch
         dev = self.device
-        # distinct prompts of this chunk, each prefilled once, then fanned out to its rows
-        uniq: dict[int, int] = {}
-        for ri, _ in chunk:
-            uniq.setdefault(ri, len(uniq))
-        cache, mask, logits, cached = self._prefill_prompts([prompts[ri] for ri in uniq],
-                                                            max(r.limit for r in rows))
-        sel = [uniq[ri] for ri, _ in chunk]
-        for row, u in zip(rows, sel):
-            row.cached = cached[u]
-        if sel != list(range(len(uniq))):
-            idx = torch.tensor(sel, device=dev)
-            cache.batch_select_indices(idx)
-            logits, mask = logits[idx], mask[idx]
+        cache, mask, logits, cached = self._prefill_rows([ri for ri, _ in chunk], prompts,
+                                                         max(r.limit for r in rows))
+        for row, n in zip(rows, cached):
+            row.cached = n
         params = [r.params for r in rows]
         state = {
             "cache": cache, "mask": mask, "rows": rows,
@@ -238,6 +229,22 @@ class HFPolicy(ChunkedDecoder, Policy):
             "top_ps": torch.tensor([p.top_p if 0.0 < p.top_p < 1.0 else 1.0 for p in params], device=dev),
         }
         return state, logits
+
+    def _prefill_rows(self, keys: list[int], prompts: list[list[int]],
+                      extra: int) -> tuple[Any, Any, Any, list[int]]:
+        """:meth:`_prefill_prompts` for batch rows that ask for ``prompts[keys[j]]``: each
+        distinct prompt is prefilled once, then its KV, mask and logits are fanned out to its
+        rows (cached-token counts per row too)."""
+        uniq: dict[int, int] = {}
+        for k in keys:
+            uniq.setdefault(k, len(uniq))
+        cache, mask, logits, cached = self._prefill_prompts([prompts[k] for k in uniq], extra)
+        sel = [uniq[k] for k in keys]
+        if sel != list(range(len(uniq))):
+            idx = self._torch.tensor(sel, device=self.device)
+            cache.batch_select_indices(idx)
+            logits, mask = logits[idx], mask[idx]
+        return cache, mask, logits, [cached[u] for u in sel]
 
     def _prefill_prompts(self, prompts: list[list[int]], extra: int) -> tuple[Any, Any, Any, list[int]]:
         """Run distinct ``prompts`` through the model: a batched KV cache (one row per prompt,
@@ -360,14 +367,8 @@ class HFPolicy(ChunkedDecoder, Policy):
         with torch.inference_mode():
             for start in range(0, len(pairs), self.max_batch):
                 chunk = pairs[start:start + self.max_batch]
-                uniq: dict[int, int] = {}
-                for i, _ in chunk:
-                    uniq.setdefault(i, len(uniq))
                 W = max(len(cands[i][j]) for i, j in chunk)
-                cache, mask, first, _ = self._prefill_prompts([prompts[i] for i in uniq], W)
-                idx = torch.tensor([uniq[i] for i, _ in chunk], device=dev)
-                cache.batch_select_indices(idx)
-                mask, first = mask[idx], first[idx]
+                cache, mask, first, _ = self._prefill_rows([i for i, _ in chunk], prompts, W)
                 B = len(chunk)
                 ids = torch.full((B, W), self.tokenizer.pad_token_id, dtype=torch.long)
                 seg = torch.zeros((B, W), dtype=torch.long)
