@@ -14,3 +14,19 @@ class Recording(OraclePolicy):
     def generate(self, requests):
         self.batches.append(requests)
         return super().generate(requests)
+
+
+class PartlyCached(OraclePolicy):
+    """The oracle, reporting ``prompt_tokens // divisor`` of every prompt as served by a prefix
+    cache (``Generation.cached_tokens``)."""
+
+    def __init__(self, p=0.3, divisor=2):
+        super().__init__(p)
+        self.divisor = divisor
+
+    def generate(self, requests):
+        out = super().generate(requests)
+        for gs in out:
+            for g in gs:
+                g.cached_tokens = g.prompt_tokens // self.divisor
+        return out

@@ -153,19 +153,11 @@ def test_bench_python_api_returns_the_summary_the_cli_writes(tmp_path, capsys):
 def test_bench_shows_prefill_and_cached_tokens(tmp_path):
     """A backend that serves prompt tokens from a prefix cache: summary.json and table.md give,
     per strategy and budget, the prompt tokens computed and those served from the cache."""
-    from omrl_search.backends.scripted import OraclePolicy
+    from helpers import PartlyCached
     from omrl_search.bench import bench, per_task
 
-    class ThirdCached(OraclePolicy):
-        def generate(self, requests):
-            out = super().generate(requests)
-            for gs in out:
-                for g in gs:
-                    g.cached_tokens = g.prompt_tokens // 3
-            return out
-
     tasks = load_tasks("game24", "test", 4)
-    summary = bench(tasks, "react,best_of_n:n=2", "lm_calls=4", policy=ThirdCached(0.3),
+    summary = bench(tasks, "react,best_of_n:n=2", "lm_calls=4", policy=PartlyCached(0.3, divisor=3),
                     out=tmp_path / "b", progress=False)
     table = (tmp_path / "b" / "table.md").read_text()
     assert "| prefill | cached |" in table

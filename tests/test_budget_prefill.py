@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import omrl_search as om
+from helpers import PartlyCached
 from omrl_search.backends.scripted import OraclePolicy
 from omrl_search.budget import KINDS, Budget, BudgetExhausted
 from omrl_search.specs import SpecError
@@ -58,19 +59,8 @@ def test_new_kinds_are_limits() -> None:
         Budget.parse("prefill_tokens=0")
 
 
-class HalfCached(OraclePolicy):
-    """The oracle, reporting half of every prompt as served by a prefix cache."""
-
-    def generate(self, requests):
-        out = super().generate(requests)
-        for gs in out:
-            for g in gs:
-                g.cached_tokens = g.prompt_tokens // 2
-        return out
-
-
 def test_search_spends_and_stops_on_prefill_tokens() -> None:
-    free = om.search_many(TASKS, strategy="best_of_n:n=4", policy=HalfCached(0.3), seed=1)
+    free = om.search_many(TASKS, strategy="best_of_n:n=4", policy=PartlyCached(0.3, divisor=2), seed=1)
     for r in free:
         s = r.spent
         assert s["prefill_tokens"] + s["cached_tokens"] == s["prompt_tokens"] > 0
@@ -82,7 +72,7 @@ def test_search_spends_and_stops_on_prefill_tokens() -> None:
     need = min(r.spent["prefill_tokens"] for r in free)
     per_call = max(r.spent["prefill_tokens"] / r.spent["lm_calls"] for r in free)
     limit = max(1, need // 2)
-    cut = om.search_many(TASKS, strategy="best_of_n:n=4", policy=HalfCached(0.3), seed=1,
+    cut = om.search_many(TASKS, strategy="best_of_n:n=4", policy=PartlyCached(0.3, divisor=2), seed=1,
                          budget={"prefill_tokens": limit})
     stopped = [r for r in cut if r.stop_reason == "budget:prefill_tokens"]
     assert stopped
