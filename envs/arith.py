@@ -323,8 +323,11 @@ class ArithmeticEnv(ValueSnapshots, TextEnv):
 
     def dedup_key(self) -> str:
         """The key of the numbers left (and the step count), without the path: two routes to
-        the same numbers share it. For searches that merge transpositions on purpose."""
-        return stable_hash(self._require()._replace(note="", path=()))
+        the same numbers share it. For searches that merge transpositions on purpose. It is
+        made at every snapshot, so it hashes only the fields that differ within one task (the
+        task's numbers, target, limit and mode are the same for every state a search meets)."""
+        s = self._require()
+        return stable_hash((s.numbers, s.steps, s.done, s.truncated, s.success, s.answer))
 
     def observe(self) -> str:
         s = self._require()
