@@ -56,15 +56,19 @@ class ValueSource:
         key = self.cache_key(ctx)
         last = self.agg == "last"  # each node's own value: no path to walk
         paths = None if last else [ctx.tree.path(n)[1:] for n in nodes]
+        keys: dict[int, Any] = {}  # each node's cache key, made once (a prompt key renders it)
         todo: dict[Any, Node] = {}
         for n in nodes if last else chain.from_iterable(paths):
-            if n.status != FAILED and key(n) not in cache:
-                todo.setdefault(key(n), n)
+            if n.id not in keys:
+                k = keys[n.id] = None if n.status == FAILED else key(n)
+                if k is not None and k not in cache:
+                    todo.setdefault(k, n)
         if todo:
             cache.update(zip(todo, await self.step_values(ctx, list(todo.values()))))
 
         def value(n: Node) -> float:
-            return cache[key(n)] if n.status != FAILED else 0.0
+            k = keys[n.id]
+            return 0.0 if k is None else cache[k]
 
         if last:
             return [value(n) for n in nodes]
