@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import omrl_search as om
 from omrl_search.bench import bench
-from omrl_search.exports import KINDS as EXPORT_KINDS
 from omrl_search.exports import ExportError, export
 from omrl_search.policy import make_policy
 from omrl_search.result import read_results
@@ -182,9 +181,9 @@ def data_stage(cfg: "LoopConfig", r: int):
         rows: dict[str, Any] = {}
         for kind in TRAINERS:
             # sft: search successes and solver demos; rs_sft: the search's own successes only,
-            # deduplicated, at most rs_top_k per task; dpo/grpo: the search's trees
+            # deduplicated, at most rs_cap per task; dpo/grpo: the search's trees
             files = sources if kind == "sft" else sources[:1]
-            what, opts = rs_sft_export(cfg.rs_cap) if kind == "rs_sft" else (kind, {})
+            what, opts = ("rs-sft", {"cap": cfg.rs_cap}) if kind == "rs_sft" else (kind, {})
             try:
                 _, rows[kind] = export(what, files, d / f"{kind}.parquet", tokenizer=tok, **opts)
             except ExportError as exc:
@@ -192,15 +191,6 @@ def data_stage(cfg: "LoopConfig", r: int):
                 rows[f"{kind}_note"] = str(exc)
         return {"rows": rows}
     return run
-
-
-def rs_sft_export(cap: int) -> tuple[str, dict[str, Any]]:
-    """The export kind and options of rejection-sampling SFT rows: successful trajectories only,
-    deduplicated, at most ``cap`` per task (``omrl export rs-sft``; where the exports predate it,
-    ``sft`` with ``top_k``, which keeps only successes too)."""
-    if "rs-sft" in EXPORT_KINDS:
-        return "rs-sft", {"cap": cap}
-    return "sft", {"top_k": cap, "include_failures": False}
 
 
 def run_trainer(kind: str, settings: dict[str, Any]) -> str:
