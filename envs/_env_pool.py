@@ -34,7 +34,6 @@ _ENDED_KEPT = 10_000  # closed/expired ids remembered, to answer 410 instead of 
 _SHOWN = 300  # characters of an env's error message shown (a rejected task may quote megabytes)
 
 
-
 def keys(env: Any) -> dict[str, str]:
     """The state key the server reports, and the dedup key when the env has one of its own
     (``Env.dedup_key``: e.g. Game24's position without its path), so a client's searches merge
@@ -43,6 +42,7 @@ def keys(env: Any) -> dict[str, str]:
     if getattr(env, "_own_dedup", False):
         out["dedup_key"] = env.dedup_key()
     return out
+
 
 class ApiError(Exception):
     """An error answered as ``{"error": message}`` with HTTP ``status``."""
