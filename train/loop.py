@@ -45,7 +45,7 @@ from omrl_search.strategy import make_strategy
 from . import loop_stages as st
 from .config import TrainError, settings_from_sources
 from .loop_curriculum import CurriculumSettings, check_levels
-from .loop_stages import TRAINERS, TaskSets, cfg_path
+from .loop_stages import TRAINERS, TaskSets
 
 #: the loop's completion tokens per step, in every search and evaluation: a loop setting, shorter
 #: than the search default (:data:`omrl_search.types.DEFAULT_MAX_TOKENS`) so rounds on a CPU stay
