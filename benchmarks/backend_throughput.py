@@ -138,10 +138,7 @@ def run_search(policy, name: str, seed: int, args, first) -> tuple[int, int, flo
     """One search scenario: the recorded calls replayed on ``policy``; (generated tokens,
     prompt tokens, wall s, CPU s, details)."""
     calls, info = record_search(first, name, seed, args)
-    if hasattr(policy, "_reset_kv"):
-        policy._reset_kv()
-    if hasattr(getattr(policy, "prefix_cache", None), "clear"):  # hf's prefix cache
-        policy.prefix_cache.clear()
+    policy.clear_cache()
     d = {"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0, "calls": len(calls),
          "search": info}
     t0, c0 = time.perf_counter(), time.process_time()

@@ -149,20 +149,11 @@ class Metered(om.Policy):
         return done
 
 
-def clear_cache(policy: om.Policy) -> None:
-    """Start every run with an empty KV cache (llamacpp keeps one between calls, hf a prefix
-    cache across calls unless ``prefix_cache=off``)."""
-    if hasattr(policy, "_reset_kv"):
-        policy._reset_kv()
-    if getattr(policy, "prefix_cache", None) is not None:
-        policy.prefix_cache.clear()
-
-
 def measure_peak(policy: om.Policy, prompts: int, tokens: int) -> dict:
     reqs = peak_requests(policy, prompts, 1, seed=0)
     for r in reqs:
         r.params.max_tokens = tokens
-    clear_cache(policy)
+    policy.clear_cache()  # every run starts cold (Policy.clear_cache)
     t0, c0 = time.perf_counter(), time.process_time()
     out = policy.generate(reqs)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -184,7 +175,7 @@ def run_search(metered: Metered, strategy: str, tasks: list, args, mode: str) ->
     metered.streams = mode == "streaming"  # the engine streams through the meter
     streamed = getattr(inner, "streams", False)
     inner.streams = metered.streams  # (vllm: off by default, ``stream=true``)
-    clear_cache(inner)
+    inner.clear_cache()  # every run starts cold (Policy.clear_cache)
     engine = Engine(metered, sampling=SamplingParams(1.0, 1.0, args.max_tokens), seed=0, **options)
     t0, c0 = time.perf_counter(), time.process_time()
     try:

@@ -323,9 +323,7 @@ class _SearchWorker:
         if not why:
             try:
                 model.load_state_dict(state)
-                cache = getattr(self.policy, "prefix_cache", None)
-                if cache is not None:
-                    cache.clear()  # its KV was computed with the old weights
+                self.policy.clear_cache()  # its cached KV was computed with the old weights
             except RuntimeError as exc:  # a shape mismatch
                 why = " ".join(line.strip() for line in str(exc).splitlines()[1:3])
         if why:

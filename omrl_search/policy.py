@@ -83,6 +83,11 @@ class Policy(ABC):
         """Backend counters worth reporting (e.g. the ``hf`` prefix cache's hit rate); {} if none."""
         return {}
 
+    def clear_cache(self) -> None:
+        """Forget the KV a backend keeps across calls (``hf``'s prefix cache, ``llamacpp``'s
+        streams and saved states): after its weights change in place, or to time a cold start.
+        Nothing to do for a backend that keeps none."""
+
     def reload(self, path: str) -> None:
         """Pick up new weights (after training). Backends that can, override this."""
         raise PolicyError(f"backend {self.name!r} cannot reload weights")

@@ -364,3 +364,14 @@ def test_server_with_its_state_cache_answers_the_same() -> None:
         p.generate([GenRequest(OTHER, greedy(4))])
         again = p.generate([GenRequest(LONG, greedy(6))])[0][0]
         assert first.text.strip() and again.text == first.text
+
+
+def test_clear_cache_makes_the_next_call_cold(policy: LlamaCppPolicy) -> None:
+    """Policy.clear_cache (what benchmarks and weight pushes call) forgets the live streams: the
+    same prompt again is prefilled in full."""
+    tok = policy.tokenizer
+    p1 = tok.encode(tok.render(MSGS, True))
+    policy.generate([GenRequest(MSGS, sampled(4), prompt_ids=p1)])
+    assert policy.generate([GenRequest(MSGS, sampled(4), prompt_ids=p1)])[0][0].cached_tokens > 0
+    policy.clear_cache()
+    assert policy.generate([GenRequest(MSGS, sampled(4), prompt_ids=p1)])[0][0].cached_tokens == 0

@@ -230,3 +230,15 @@ def test_reload_clears_the_cache(tiny_hf_model):
     assert p.prefix_cache.bytes > 0
     p.reload(tiny_hf_model)
     assert p.prefix_cache.bytes == 0
+
+
+def test_clear_cache_makes_the_next_call_cold(pair):
+    """Policy.clear_cache (what benchmarks and weight pushes call) empties the prefix cache: the
+    same prompt again is prefilled in full; a policy with the cache off has nothing to clear."""
+    on, off = pair
+    ids = ids_of(on, [SYSTEM, {"role": "user", "content": "Observation: a door."}])
+    on.generate([req(ids, temperature=0.0, max_tokens=3)])
+    assert on.generate([req(ids, temperature=0.0, max_tokens=3)])[0][0].cached_tokens > 0
+    on.clear_cache()
+    assert on.generate([req(ids, temperature=0.0, max_tokens=3)])[0][0].cached_tokens == 0
+    off.clear_cache()

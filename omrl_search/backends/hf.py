@@ -177,11 +177,13 @@ class HFPolicy(ChunkedDecoder, Policy):
             raise PolicyError(f"hf: {path!r} has a different vocabulary size than the loaded model")
         self.model = model
         self.path = path
-        if self.prefix_cache is not None:
-            self.prefix_cache.clear()  # KV of the old weights
+        self.clear_cache()  # KV of the old weights
 
     def close(self) -> None:
         self.model = None
+        self.clear_cache()
+
+    def clear_cache(self) -> None:
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
 

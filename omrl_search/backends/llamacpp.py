@@ -326,6 +326,9 @@ class LlamaCppPolicy(ChunkedDecoder, Policy):
     def _mask(self, state: Any, logits: Any, guides: list[Any]) -> Any:
         return self._grammar_engine().mask(logits, guides)
 
+    def clear_cache(self) -> None:
+        self._reset_kv()
+
     def _reset_kv(self) -> None:
         """Forget every cached prefix: the live streams and the saved states."""
         self._ll.llama_memory_clear(self._mem, True)
