@@ -223,8 +223,7 @@ def main() -> None:
     for sc in scenarios:
         for rep in range(args.reps):
             for b, p in policies.items():
-                if hasattr(p, "_reset_kv"):
-                    p._reset_kv()
+                p.clear_cache()  # every backend starts each repetition cold
                 if sc in SEARCH:
                     *r, detail = run_search(p, sc, rep, args, next(iter(policies.values())))
                     r = tuple(r)

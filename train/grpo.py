@@ -205,8 +205,7 @@ class RolloutSource:
             pol.model = None
             self._policy = pol
         self._policy.model = runner.module
-        if getattr(self._policy, "prefix_cache", None) is not None:
-            self._policy.prefix_cache.clear()
+        self._policy.clear_cache()  # KV cached under the previous weights
         return self._policy
 
     def remote_policy(self) -> str:
