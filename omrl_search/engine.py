@@ -140,7 +140,7 @@ class Engine:
         envs = None
         try:
             env, obs, snap = EnvDriver.open(self.env_factory, task)
-            tree = SearchTree(task, obs, snap)
+            tree = SearchTree(task, obs, snap, self.format.name)
             envs = EnvDriver(env, tree, b, [], self.max_depth or getattr(env, "max_steps", 20))
             prompts = self.format.prompts(env, task, tree, self.encoder)
             if self.encoder is not None and not getattr(self.policy, "reads_messages", True):
@@ -151,7 +151,7 @@ class Engine:
                 envs.close()
             if isinstance(exc, ConstraintError):  # a setting that cannot be honoured: the run's error
                 raise
-            tree = SearchTree(task, "", None)
+            tree = SearchTree(task, "", None, self.format.name)
             where = "env reset" if envs is None else "engine"
             tree.root.status, tree.root.error = FAILED, f"{type(exc).__name__}: {exc}"
             b.stop_clock()
@@ -314,7 +314,7 @@ class Engine:
         params = SamplingParams(s.temperature if temperature is None else temperature, s.top_p,
                                 s.max_tokens, s.stop or ctx.prompts.stop, k,
                                 ctx.seeds.step(node.id, ctx.calls))
-        meta = {"task": ctx.task, "snapshot": node.snapshot, "env": ctx.task.env}
+        meta = {"task": ctx.task, "snapshot": node.snapshot, "env": ctx.task.env, "agent": self.format}
         return context_ids, GenRequest(messages, params, prompt_ids, meta)
 
     def _ask_request(self, ctx: SearchContext, node: Node, prompt: Any, n: int,

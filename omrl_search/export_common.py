@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any, Iterable, Sequence
 
-from .agent import ReActFormat, TurnEncoder
+from .agent import ReActFormat, TurnEncoder, make_format
 from .tree import FAILED, Node, SearchTree, Trajectory
 from .types import Segment, Task
 
@@ -129,17 +129,23 @@ class Renderer:
     re-encoded with ``encoder``."""
 
     def __init__(self, encoder: TurnEncoder | None = None, agent_format: ReActFormat | None = None):
-        self.encoder, self.format = encoder, agent_format or _FORMAT
+        self.encoder, self._format = encoder, agent_format
+
+    def format(self, tree: SearchTree) -> ReActFormat:
+        """The agent format ``tree``'s prompts were written in (its ``agent``), unless this
+        renderer was given one."""
+        return self._format or make_format(getattr(tree, "agent", None) or "react")
 
     def messages(self, tree: SearchTree, path: list[Node], flags: Sequence[bool] | None = None
                  ) -> list[dict[str, Any]]:
         """The chat from the system prompt to the last step's completion (its observation is
         not part of what is trained). With ``flags`` (per step), every message carries a
         ``trainable`` key: the step's flag on assistant turns, false elsewhere."""
-        msgs: list[dict[str, Any]] = prompt_messages(tree.task, path[0].observation, self.format)
+        fmt = self.format(tree)
+        msgs: list[dict[str, Any]] = prompt_messages(tree.task, path[0].observation, fmt)
         for i, node in enumerate(path[1:]):
             if i:
-                msgs.append(self.format.observation_message(path[i].step.observation))
+                msgs.append(fmt.observation_message(path[i].step.observation))
             msgs.append({"role": "assistant", "content": node.step.completion})
         if flags is not None:
             k = iter(flags)

@@ -64,7 +64,7 @@ def prm_rows(results: Iterable[SearchResult], *, soft: str = "mc", threshold: fl
                 continue
             path, mc, n_mc, q, visits, target = (x[:cut] for x in (path, mc, n_mc, q, visits, target))
             rows.append({
-                "prompt": prompt_messages(tree.task, tree.root.observation, r.format),
+                "prompt": prompt_messages(tree.task, tree.root.observation, r.format(tree)),
                 "completions": [n.step.completion for n in path],
                 "labels": [t >= threshold for t in target], "soft_labels": target,
                 "mc_values": mc, "mc_rollouts": n_mc, "q_values": q, "visits": visits,

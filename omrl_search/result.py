@@ -54,7 +54,7 @@ class SearchResult:
                 "success": self.success, "spent": self.spent, "faults": self.faults,
                 "stop_reason": self.stop_reason, "seconds": self.seconds,
                 "verifier_in_loop": self.verifier_in_loop, "constraint": self.constraint,
-                "tree": {"nodes": nodes, "merge_edges": merges}}
+                "agent": self.tree.agent, "tree": {"nodes": nodes, "merge_edges": merges}}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), default=_json_default)
@@ -73,7 +73,7 @@ class SearchResult:
             node = a["node"].validate_python({**d, "step": None, "snapshot": None})
             node.step = step
             nodes.append(node)
-        tree = SearchTree(task, nodes[0].observation, None)
+        tree = SearchTree(task, nodes[0].observation, None, str(data.get("agent", "react")))
         tree.nodes = nodes
         tree.merges = [(int(u), int(v)) for u, v in data["tree"].get("merge_edges", [])]
         rest = a["meta"].validate_python({k: data[k] for k in _META_FIELDS if k in data})

@@ -46,10 +46,11 @@ class Node:
 class SearchTree:
     """All nodes of one search, root first; edges in ``graph`` (tree edges and merge edges)."""
 
-    __slots__ = ("task", "nodes", "merges", "_graph", "_graph_size")
+    __slots__ = ("task", "nodes", "merges", "agent", "_graph", "_graph_size")
 
-    def __init__(self, task: Task, observation: str, snapshot: Snapshot | None):
+    def __init__(self, task: Task, observation: str, snapshot: Snapshot | None, agent: str = "react"):
         self.task = task
+        self.agent = agent  # the agent format's name (omrl_search.agent): how its prompts were written
         root = Node(0, None, 0, observation, snapshot=snapshot,
                     state_key=snapshot.state_key if snapshot else "")
         self.nodes: list[Node] = [root]
@@ -96,7 +97,7 @@ class SearchTree:
         return out
 
     def trajectory(self, node: Node) -> "Trajectory":
-        return Trajectory(self.task, self.path(node))
+        return Trajectory(self.task, self.path(node), self.agent)
 
     def leaves(self) -> Iterator[Node]:
         return (n for n in self.nodes if not n.children)
@@ -154,6 +155,7 @@ class Trajectory:
 
     task: Task
     nodes: list[Node]
+    agent: str = "react"  # the agent format its prompts were written in (see SearchTree.agent)
 
     @property
     def steps(self) -> list[Step]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from omrl_search.agent import ReActFormat, TurnEncoder
+from omrl_search.agent import ReActFormat, TurnEncoder, make_format
 from omrl_search.exports import prompt_messages
 from omrl_search.tree import Trajectory
 
@@ -62,7 +62,7 @@ def episode_from_trajectory(traj: Trajectory) -> Episode:
     ctx = [s.context_ids for s in steps]
     comp = [s.completion_ids for s in steps]
     has_ids = bool(steps) and all(c is not None for c in ctx) and all(c is not None for c in comp)
-    return Episode(prompt_messages(traj.task, traj.nodes[0].observation),
+    return Episode(prompt_messages(traj.task, traj.nodes[0].observation, make_format(traj.agent)),
                    [s.completion for s in steps], [s.observation for s in steps],
                    [list(c) for c in ctx] if has_ids else None,  # type: ignore[arg-type]
                    [list(c) for c in comp] if has_ids else None)  # type: ignore[arg-type]

@@ -131,7 +131,8 @@ def label_results(results: Iterable[Any], *, policy: Any = None, rollouts: int =
     if plans:
         completer = RolloutCompleter(plans, sampling.temperature if sampling is not None else None)
         done = search_many(list(tasks.values()), strategy=completer, policy=policy, seed=seed,
-                           max_depth=max_depth, sampling=sampling, progress=progress)
+                           max_depth=max_depth, sampling=sampling, progress=progress,
+                           agent=results[0].tree.agent)  # rollouts continue in the trees' format
         bad = [f"{r.task.task_id}: {f}" for r in done for f in r.faults if "strategy:" in f]
         if bad:
             raise ValueError(f"completing rollouts failed: {bad[0]}")

@@ -144,3 +144,32 @@ def test_act_format_has_no_thought_line_and_is_selectable_by_name():
     assert all(r.success for r in om.search_many(tasks, strategy="react", policy="scripted:oracle", agent="act"))
     with pytest.raises(SpecError, match="unknown agent format"):
         om.search_many(tasks, strategy="react", policy="scripted:oracle", agent="cot")
+
+
+def test_an_act_search_is_exported_and_rendered_in_the_act_format(tmp_path):
+    """A search under ``agent=act`` records its format; scripted demonstrations write the Act
+    line alone, the format survives results.jsonl, and every export renders the act system
+    prompt (a react search's exports keep the react one)."""
+    import omrl_search as om
+    from omrl_search.agent import ActFormat
+    from omrl_search.exports import dpo_rows, prm_rows, sft_rows
+    from omrl_search.result import SearchResult
+
+    tasks = om.load_tasks("countdown", "train", limit=3)
+    act = om.search_many(tasks, strategy="best_of_n:n=3", policy="scripted:oracle:p=0.3", agent="act", seed=0)
+    react = om.search_many(tasks, strategy="best_of_n:n=3", policy="scripted:oracle:p=0.3", seed=0)
+    assert any(r.success for r in act)
+    for r in act:
+        assert r.tree.agent == "act"
+        assert all(s.completion.startswith("Act: ") and "Think" not in s.completion
+                   for t in r.trajectories for s in t.steps)
+    back = [SearchResult.from_json(r.to_json()) for r in act]
+    assert [r.tree.agent for r in back] == ["act"] * 3
+    assert SearchResult.from_json(react[0].to_json()).tree.agent == "react"
+    act_system = ActFormat().system
+    for rows in (sft_rows(back), dpo_rows(back, pairs="value"), prm_rows(back)):
+        assert rows
+        for row in rows:
+            msgs = row.get("messages") or row.get("prompt") or row.get("chosen")
+            assert msgs[0]["content"] == act_system
+    assert sft_rows(react)[0]["messages"][0]["content"] != act_system

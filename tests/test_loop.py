@@ -184,3 +184,30 @@ def test_rs_sft_dpo_and_grpo_stages_train_on_the_rounds_exports(tiny_agent_model
             assert "nll_chosen" in last_metrics(d / "model")
         if kind == "grpo":  # dynamic sampling counted the flat groups it dropped
             assert "groups_flat" in (d / "model" / "metrics.jsonl").read_text()
+
+
+def test_agent_act_reaches_the_loops_searches_demonstrations_and_evals(tmp_path):
+    """``agent: act``: the round's search, its solver demonstrations and the evals all run in
+    the act format (trees record it, steps are Act lines alone), so what is trained on is what
+    is evaluated."""
+    import json
+
+    import omrl_search as om
+    from train.loop import LoopConfig
+    from train.loop_stages import TaskSets, _bench, search_stage
+
+    cfg = LoopConfig(env="countdown", policy="scripted:oracle:p=0.3", agent="act", train_limit=2,
+                     expert_demos=2, dev_limit=5, prm=False, progress=False, out=str(tmp_path),
+                     search_strategy="best_of_n:n=2")
+    sets = TaskSets(cfg)
+    d = tmp_path / "search"
+    d.mkdir()
+    search_stage(cfg, sets, 1, cfg.policy, None)(d)
+    for name in ("results.jsonl", "demos.jsonl"):
+        results = list(om.read_results(d / name))
+        assert len(results) == 2 and all(r.tree.agent == "act" for r in results)
+        assert all(s.completion.startswith("Act: ") for r in results for t in r.trajectories for s in t.steps)
+    e = tmp_path / "dev"
+    rows = _bench(cfg, sets.dev[:2], "react", "tokens=2000", cfg.policy, None, e)
+    assert rows["react"]
+    assert json.loads((e / "summary.json").read_text())["config"]["agent"] == "act"

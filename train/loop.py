@@ -30,7 +30,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -62,6 +62,9 @@ class LoopConfig(BaseModel):
     seed: int = 0
     max_tokens: int = Field(LOOP_MAX_TOKENS, ge=1)  # completion tokens per step, in every search
     temperature: float = Field(1.0, ge=0)
+    # the agent format of every search, eval and demonstration (omrl_search.agent): react
+    # (Think line, then Act) or act (the Act line alone: a few tokens a step)
+    agent: Literal["react", "act"] = "react"
     # search on the train split (without the dev slice's puzzles)
     train_limit: int = Field(64, ge=1)
     search_strategy: str = "best_of_n:n=4"

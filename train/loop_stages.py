@@ -80,7 +80,7 @@ def _searcher(cfg: "LoopConfig", r: int, model: str, prm: str | None) -> Callabl
         return om.search_many(tasks, strategy=cfg.search_strategy, policy=built["policy"],
                               reward_model=built["rm"], budget=cfg.search_budget, seed=cfg.seed + r,
                               sampling=SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens),
-                              progress=cfg.progress)
+                              progress=cfg.progress, agent=cfg.agent)
     return search
 
 
@@ -122,7 +122,7 @@ def search_stage(cfg: "LoopConfig", sets: TaskSets, r: int, model: str, prm: str
         info["search"] = om.summarize(results)
         if r == 1 and cfg.expert_demos:
             demos = om.search_many(sets.pool[:cfg.expert_demos], strategy="react",
-                                   policy="scripted:oracle:p=0", seed=cfg.seed)
+                                   policy="scripted:oracle:p=0", seed=cfg.seed, agent=cfg.agent)
             om.write_results(d / "demos.jsonl", demos)
             info["demos"] = om.summarize(demos)
         return info
@@ -255,7 +255,7 @@ def _bench(cfg: "LoopConfig", tasks: list[Task], strategies: str, budgets: str, 
     summary = bench(tasks, strategies, budgets, policy=policy_spec(model),
                     reward_model=f"prm:{prm}" if prm else None, seed=cfg.seed,
                     max_tokens=cfg.max_tokens, temperature=cfg.temperature, out=d,
-                    save_trees=True, progress=cfg.progress)
+                    save_trees=True, progress=cfg.progress, agent=cfg.agent)
     return {name: {b: {k: s[k] for k in ("tasks", "successes", "success_rate", "ci_low", "ci_high")}
                    for b, s in per.items()} for name, per in summary["strategies"].items()}
 

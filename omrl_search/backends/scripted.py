@@ -46,6 +46,7 @@ class ScriptedPolicy(Policy):
             gens = []
             for _ in range(req.params.n):
                 text, prob = self.choose(env, rng, req.meta)
+                text = self.in_format(text, req.meta.get("agent"))
                 ids = self.tokenizer.encode(text) + [256]
                 lp = math.log(max(prob, 1e-12)) / len(ids)
                 gens.append(Generation(text, ids, [lp] * len(ids), prompt_tokens, len(ids),
@@ -98,6 +99,15 @@ class ScriptedPolicy(Policy):
     @staticmethod
     def completion(thought: str, action: str) -> str:
         return f"Think: {thought}\nAct: {action}"
+
+    @staticmethod
+    def in_format(text: str, fmt: Any) -> str:
+        """``text`` (a :meth:`completion`) as the search's agent format writes it: ``act``
+        (no thought line) keeps the ``Act:`` line alone; malformed text stays as it is."""
+        if fmt is None or fmt.think is not None or not text.startswith("Think: "):
+            return text
+        act = text.rpartition("\nAct: ")[2]
+        return fmt.render("", act) if "\nAct: " in text else text
 
     def close(self) -> None:
         for env in self._envs.values():
