@@ -1,0 +1,60 @@
+"""A trained PRM's step AUC and calibration on held-out search trees (tasks it was never trained on).
+
+The loop reports its PRM on a validation slice of the label rows it trained from; those rows
+include the solver's demonstrations, which any scorer tells apart from the policy's own steps, so
+that figure flatters the PRM. This script asks the question a search needs answered instead: on
+trees grown on *test-split* tasks (e.g. an ``omrl bench --save-trees`` run), does the PRM's score
+of a step predict whether play from it succeeds? Labels are Monte-Carlo values from each tree's
+own finished leaves (``omrl label`` without extra rollouts); steps are counted once; "before the
+end" leaves out a finished row's last step, whose observation shows the outcome.
+
+    python benchmarks/prm_heldout.py --prm runs/loop-countdown/round_3/prm/model \
+        runs/bench-loop-countdown/*/results.jsonl
+
+Prints the figures, then as its last line one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("results", nargs="+", help="results.jsonl files of searches on held-out tasks")
+    ap.add_argument("--prm", required=True, help="a trained PRM folder")
+    args = ap.parse_args()
+
+    from omrl_search.result import read_results
+    from reward_models.labels import label_results
+    from reward_models.metrics import step_metrics
+    from reward_models.prm import ProcessRewardModel
+    from train.loop_prm import reliability
+    from train.prm import step_predictions
+
+    results = [r for f in args.results for r in read_results(f)]
+    rows = label_results(results, rollouts=0)
+    prm = ProcessRewardModel.from_pretrained(args.prm, device="cpu", dtype="float32")
+    preds, gold, ends = step_predictions(prm, rows)
+    if not preds:
+        sys.exit("prm_heldout: no labelled step in the results given")
+    inner = [(p, y) for p, y, end in zip(preds, gold, ends) if not end]
+    out = {"results": len(results), "rows": len(rows), "steps": len(preds),
+           "all": {**step_metrics(preds, gold, 0.5), "calibration": reliability(preds, gold)}}
+    if inner:
+        ip, iy = [p for p, _ in inner], [y for _, y in inner]
+        out["before_end"] = {**step_metrics(ip, iy, 0.5), "calibration": reliability(ip, iy)}
+    for part in ("all", "before_end"):
+        if part in out:
+            m = out[part]
+            print(f"{part:10} steps {m['calibration']['steps']:>5}  AUC {m.get('auc')}  "
+                  f"ECE {m['calibration']['ece']}")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
