@@ -29,25 +29,11 @@ def main() -> None:
     ap.add_argument("--prm", required=True, help="a trained PRM folder")
     args = ap.parse_args()
 
-    from omrl_search.result import read_results
-    from reward_models.labels import label_results
-    from reward_models.metrics import step_metrics
-    from reward_models.prm import ProcessRewardModel
-    from train.loop_prm import reliability
-    from train.prm import step_predictions
+    from train.loop_prm import heldout
 
-    results = [r for f in args.results for r in read_results(f)]
-    rows = label_results(results, rollouts=0)
-    prm = ProcessRewardModel.from_pretrained(args.prm, device="cpu", dtype="float32")
-    preds, gold, ends = step_predictions(prm, rows)
-    if not preds:
+    out = heldout(args.prm, args.results)
+    if out is None:
         sys.exit("prm_heldout: no labelled step in the results given")
-    inner = [(p, y) for p, y, end in zip(preds, gold, ends) if not end]
-    out = {"results": len(results), "rows": len(rows), "steps": len(preds),
-           "all": {**step_metrics(preds, gold, 0.5), "calibration": reliability(preds, gold)}}
-    if inner:
-        ip, iy = [p for p, _ in inner], [y for _, y in inner]
-        out["before_end"] = {**step_metrics(ip, iy, 0.5), "calibration": reliability(ip, iy)}
     for part in ("all", "before_end"):
         if part in out:
             m = out[part]

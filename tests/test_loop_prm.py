@@ -38,3 +38,38 @@ def test_step_predictions_count_shared_steps_once_and_mark_the_end():
     preds, gold, ends = step_predictions(FakePRM(), rows)
     assert preds == [0.1, 0.2, 0.2] and gold == [0.5, 1.0, 0.0]
     assert ends == [False, True, False]  # only the finished row's last step
+
+
+def test_heldout_scores_the_prm_on_trees_labelled_from_their_own_leaves(tmp_path, monkeypatch):
+    """``heldout``: label rows from held-out trees (no extra rollouts), every distinct step scored
+    once; a PRM that says (i + 1) / 10 at step i is ranked and calibrated against those labels,
+    and "before the end" leaves out the finished rows' last steps."""
+    import omrl_search as om
+    from reward_models.labels import label_results
+    from reward_models.prm import ProcessRewardModel
+    from train.loop_prm import heldout
+
+    results = om.search_many(om.load_tasks("countdown", "test", 4), strategy="best_of_n:n=3",
+                             policy="scripted:oracle:p=0.5", agent="act", seed=0)
+    f = tmp_path / "results.jsonl"
+    om.write_results(f, results)
+    monkeypatch.setattr(ProcessRewardModel, "from_pretrained", classmethod(lambda cls, *a, **k: FakePRM()))
+    out = heldout("unused", [f])
+    preds, gold, ends = step_predictions(FakePRM(), label_results(results, rollouts=0))
+    assert out["results"] == 4 and out["all"]["steps"] == len(preds) > 0
+    assert out["before_end"]["steps"] == ends.count(False) < len(preds)
+    assert out["all"]["calibration"] == reliability(preds, gold)
+    assert 0.0 <= out["all"]["auc"] <= 1.0
+    assert heldout("unused", []) is None
+
+
+def test_the_report_sets_the_held_out_auc_beside_the_validation_auc():
+    from train.loop_report import prm_table
+
+    prm = {"trained": True, "validation": {"steps": 177, "auc": 0.999, "auc_before_end": 1.0},
+           "calibration": {"all": {"ece": 0.13}, "before_end": {"ece": 0.12}}}
+    held = {"before_end": {"steps": 487, "auc": 0.42, "calibration": {"ece": 0.55}}}
+    lines = prm_table([{"round": 0}, {"round": 1, "prm": prm, "eval": {"prm_heldout": held}},
+                       {"round": 2, "prm": prm, "eval": {}}])
+    rows = [line for line in lines if line.startswith("| 1 ") or line.startswith("| 2 ")]
+    assert rows[0].endswith("| 487 | 0.420 | 0.550 |") and rows[1].endswith("| - | - | - |")

@@ -7,6 +7,11 @@ distinct step once) are binned by predicted score, and each bin's mean predictio
 its mean Monte-Carlo value (the soft label). ECE is the step-weighted mean gap. Both are given for
 all steps and for the steps before the end (a finished row's last step shows the outcome in its
 observation, and what guides a search happens before the end).
+
+The validation rows come from the same trees and demonstrations the PRM trained on (solver
+demonstrations are all successes and read unlike the policy's own steps, which flatters a PRM),
+so :func:`heldout` also scores the PRM on trees grown on *test-split* tasks (the round's eval),
+labelled from their own finished leaves: the figure that says whether it can guide a search.
 """
 from __future__ import annotations
 
@@ -55,3 +60,30 @@ def calibration(model_dir: str | Path, label_dirs: Sequence[str], val_fraction: 
     inner = [(p, y) for p, y, end in zip(preds, gold, ends) if not end]
     return {"all": reliability(preds, gold),
             "before_end": reliability([p for p, _ in inner], [y for _, y in inner]) if inner else None}
+
+
+def heldout(model_dir: str | Path, results_files: Sequence[str | Path]) -> dict[str, Any] | None:
+    """Step AUC and calibration of the PRM in ``model_dir`` on the search trees of
+    ``results_files`` (held-out tasks), labelled by Monte-Carlo values of each tree's own finished
+    leaves (no extra rollouts): ``{"results", "all": metrics, "before_end": metrics}``, each
+    metrics dict ``step_metrics`` plus ``calibration``; None when no step is labelled."""
+    from omrl_search.result import read_results
+    from reward_models.labels import label_results
+    from reward_models.metrics import step_metrics
+    from reward_models.prm import ProcessRewardModel
+
+    results = [r for f in results_files for r in read_results(f)]
+    rows = label_results(results, rollouts=0)
+    if not rows:
+        return None
+    prm = ProcessRewardModel.from_pretrained(str(model_dir), device="cpu", dtype="float32")
+    preds, gold, ends = step_predictions(prm, rows)
+    if not preds:
+        return None
+    out: dict[str, Any] = {"results": len(results),
+                           "all": {**step_metrics(preds, gold), "calibration": reliability(preds, gold)}}
+    inner = [(p, y) for p, y, end in zip(preds, gold, ends) if not end]
+    if inner:
+        ip, iy = [p for p, _ in inner], [y for _, y in inner]
+        out["before_end"] = {**step_metrics(ip, iy), "calibration": reliability(ip, iy)}
+    return out

@@ -97,16 +97,22 @@ def round_table(history: list[dict[str, Any]]) -> list[str]:
 
 
 def prm_table(history: list[dict[str, Any]]) -> list[str]:
-    prms = [(h["round"], h["prm"]) for h in history[1:] if (h.get("prm") or {}).get("trained")]
+    prms = [(h["round"], h["prm"], (h.get("eval") or {}).get("prm_heldout") or {})
+            for h in history[1:] if (h.get("prm") or {}).get("trained")]
     if not prms:
         return []
-    lines = ["## PRM (validation steps of its label rows)", "",
-             "| round | steps | step AUC | AUC before the end | ECE | ECE before the end |", "|---|---|---|---|---|---|"]
-    for r, p in prms:
-        v, c = p.get("validation") or {}, p.get("calibration") or {}
+    lines = ["## PRM", "",
+             "Validation: steps of its own label rows (they include the solver demonstrations, which "
+             "flatter it); held-out: the round's test-split eval trees, labelled from their own leaves, "
+             "steps before the end.", "",
+             "| round | validation steps | step AUC | AUC before the end | ECE | ECE before the end "
+             "| held-out steps | held-out AUC | held-out ECE |", "|---|---|---|---|---|---|---|---|---|"]
+    for r, p, h in prms:
+        v, c, hb = p.get("validation") or {}, p.get("calibration") or {}, h.get("before_end") or {}
         lines.append(f"| {r} | {v.get('steps', '-')} | {_na(v.get('auc'))} | {_na(v.get('auc_before_end'))} | "
-                     f"{_na((c.get('all') or {}).get('ece'))} | {_na((c.get('before_end') or {}).get('ece'))} |")
-    r, p = prms[-1]
+                     f"{_na((c.get('all') or {}).get('ece'))} | {_na((c.get('before_end') or {}).get('ece'))} | "
+                     f"{hb.get('steps', '-')} | {_na(hb.get('auc'))} | {_na((hb.get('calibration') or {}).get('ece'))} |")
+    r, p, _ = prms[-1]
     table = ((p.get("calibration") or {}).get("all") or {}).get("bins")
     if table:
         lines += ["", f"Reliability of round {r}'s PRM (all validation steps): mean score vs mean "

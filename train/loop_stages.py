@@ -274,8 +274,13 @@ def eval_stage(cfg: "LoopConfig", sets: TaskSets, model: str, prm: str | None):
     """The test split (reported, never decided on): every eval strategy at every eval budget."""
     def run(d: Path) -> dict[str, Any]:
         rows = _bench(cfg, sets.test(), cfg.eval_strategies, cfg.eval_budgets, model, prm, d)
-        return {"policy": policy_spec(model), "prm": prm, "rows": rows,
+        info = {"policy": policy_spec(model), "prm": prm, "rows": rows,
                 "success": {n: {b: s["success_rate"] for b, s in per.items()} for n, per in rows.items()}}
+        if prm:  # the round's PRM on these held-out trees (see train.loop_prm.heldout)
+            from .loop_prm import heldout
+
+            info["prm_heldout"] = heldout(prm, sorted((d / "trees").glob("*.jsonl")))
+        return info
     return run
 
 
