@@ -185,7 +185,9 @@ def test_only_the_searches_past_their_deadline_lose_a_shared_call(monkeypatch):
     monkeypatch.setattr(Budget, "fresh", lambda self: next(budgets))
     t0 = time.perf_counter()
     results = Engine(Slow(0.0), schedule="lockstep", seed=0).run(om.make_strategy("react"), TASKS[:2])
-    assert results[0].faults[0].startswith("lm: LMTimeout: LM call abandoned after 0.3")
+    fault = results[0].faults[0]  # abandoned after what was left of its 0.3 s (less under load)
+    assert fault.startswith("lm: LMTimeout: LM call abandoned after ")
+    assert 0.0 < float(fault.split("after ")[1].split("s:")[0]) <= 0.3
     assert results[0].seconds < 0.5
     assert not results[1].faults and results[1].success and results[1].spent["lm_calls"] >= 2
     assert time.perf_counter() - t0 >= 0.6 * results[1].spent["lm_calls"]
