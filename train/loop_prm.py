@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from .prm import step_predictions  # the PRM trainer's own step scoring (evaluate uses it too)
+from .prm import before_end, step_predictions  # the PRM trainer's own step scoring (evaluate uses it too)
 
 BINS = 10
 
@@ -57,9 +57,8 @@ def calibration(model_dir: str | Path, label_dirs: Sequence[str], val_fraction: 
         return None
     prm = ProcessRewardModel.from_pretrained(str(model_dir), device="cpu", dtype="float32")
     preds, gold, ends = step_predictions(prm, val)
-    inner = [(p, y) for p, y, end in zip(preds, gold, ends) if not end]
-    return {"all": reliability(preds, gold),
-            "before_end": reliability([p for p, _ in inner], [y for _, y in inner]) if inner else None}
+    ip, iy = before_end(preds, gold, ends)
+    return {"all": reliability(preds, gold), "before_end": reliability(ip, iy) if ip else None}
 
 
 def heldout(model_dir: str | Path, results_files: Sequence[str | Path]) -> dict[str, Any] | None:
@@ -82,8 +81,7 @@ def heldout(model_dir: str | Path, results_files: Sequence[str | Path]) -> dict[
         return None
     out: dict[str, Any] = {"results": len(results),
                            "all": {**step_metrics(preds, gold), "calibration": reliability(preds, gold)}}
-    inner = [(p, y) for p, y, end in zip(preds, gold, ends) if not end]
-    if inner:
-        ip, iy = [p for p, _ in inner], [y for _, y in inner]
+    ip, iy = before_end(preds, gold, ends)
+    if ip:
         out["before_end"] = {**step_metrics(ip, iy), "calibration": reliability(ip, iy)}
     return out

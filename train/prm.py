@@ -161,11 +161,18 @@ def evaluate(prm: Any, rows: Sequence[dict[str, Any]], threshold: float = 0.5) -
     if not preds:
         return {}
     out = step_metrics(preds, gold, threshold)
-    inner = [(p, y) for p, y, end in zip(preds, gold, ends) if not end]
-    if inner:
-        sub = step_metrics([p for p, _ in inner], [y for _, y in inner], threshold)
-        out.update({f"{k}_before_end": v for k, v in sub.items()})
+    ip, iy = before_end(preds, gold, ends)
+    if ip:
+        out.update({f"{k}_before_end": v for k, v in step_metrics(ip, iy, threshold).items()})
     return out
+
+
+def before_end(preds: Sequence[float], gold: Sequence[float], ends: Sequence[bool]
+               ) -> tuple[list[float], list[float]]:
+    """The predictions and labels of the steps that are not a finished row's last step (whose
+    observation shows the outcome): what guides a search happens before the end."""
+    kept = [(p, y) for p, y, end in zip(preds, gold, ends) if not end]
+    return [p for p, _ in kept], [y for _, y in kept]
 
 
 # --- the job ------------------------------------------------------------------------------------------
