@@ -134,7 +134,7 @@ class Renderer:
     def format(self, tree: SearchTree) -> ReActFormat:
         """The agent format ``tree``'s prompts were written in (its ``agent``), unless this
         renderer was given one."""
-        return self._format or make_format(getattr(tree, "agent", None) or "react")
+        return self._format or make_format(tree.agent)
 
     def messages(self, tree: SearchTree, path: list[Node], flags: Sequence[bool] | None = None
                  ) -> list[dict[str, Any]]:

@@ -102,12 +102,15 @@ class ScriptedPolicy(Policy):
 
     @staticmethod
     def in_format(text: str, fmt: Any) -> str:
-        """``text`` (a :meth:`completion`) as the search's agent format writes it: ``act``
-        (no thought line) keeps the ``Act:`` line alone; malformed text stays as it is."""
-        if fmt is None or fmt.think is not None or not text.startswith("Think: "):
+        """``text`` (a :meth:`completion`, written as ReAct writes it) re-rendered by the search's
+        agent format ``fmt`` (e.g. ``act``: the ``Act:`` line alone); unchanged under a format
+        that renders as ReAct does, and when it does not parse (a malformed completion)."""
+        from ..agent import ReActFormat
+
+        if fmt is None or type(fmt).render is ReActFormat.render:
             return text
-        act = text.rpartition("\nAct: ")[2]
-        return fmt.render("", act) if "\nAct: " in text else text
+        parsed = ReActFormat().parse(text)
+        return text if parsed.error else fmt.render(parsed.thought, parsed.action)
 
     def close(self) -> None:
         for env in self._envs.values():
