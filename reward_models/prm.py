@@ -13,7 +13,10 @@ Spec: ``prm:PATH`` with options after another colon, e.g.
 ``prm:runs/prm:aggregation=min,batch_size=16,device=cpu``.
 
 Scoring is batched: the engine hands over every prefix of a search round at once; prefixes are
-sorted by length and run in chunks of ``batch_size`` (right-padded, one forward each).
+sorted by length and run in chunks of ``batch_size`` (right-padded, one forward each). A cache
+across calls (on by default; ``prefix_cache=off``, ``prefix_cache_mb=N``;
+:mod:`reward_models.prefix_scoring`) reads a parent's steps from a memo and runs only the tokens
+after the longest cached prefix, so a child's score costs its new tokens, not its whole episode.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from omrl_search.specs import split_path_spec
 from omrl_search.tree import Trajectory
 
 from .inputs import INPUTS, READS, Episode, StepEncoder, episode_from_trajectory
+from .prefix_scoring import DEFAULT_CACHE_MB, PrefixScorer
 
 CONFIG_NAME = "reward_model.json"
 HEAD_NAME = "reward_head.safetensors"
@@ -89,7 +93,8 @@ class ProcessRewardModel(RewardModel):
 
     def __init__(self, model: Any, tokenizer: Any, *, read: str = "observation",
                  input: str = "auto", aggregation: str = "last", batch_size: int = 8,
-                 max_length: int = 2048, path: str | None = None):
+                 max_length: int = 2048, path: str | None = None, prefix_cache: Any = True,
+                 prefix_cache_mb: Any = DEFAULT_CACHE_MB):
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"unknown aggregation {aggregation!r} (known: {', '.join(AGGREGATIONS)})")
         self.model, self.tokenizer = model, tokenizer
@@ -97,6 +102,7 @@ class ProcessRewardModel(RewardModel):
         self.encoder = StepEncoder(tokenizer, read=read, input=input, max_length=max_length)
         self.path = path
         self.name = f"{self.kind}:{path}" if path else self.kind
+        self.prefix = _prefix_scorer(prefix_cache, prefix_cache_mb)
 
     # --- building, loading, saving ------------------------------------------------------------
     @classmethod
@@ -249,7 +255,10 @@ class ProcessRewardModel(RewardModel):
         return self.score_episodes([episode_from_trajectory(t) for t in prefixes])
 
     def score_episodes(self, episodes: Sequence[Episode]) -> list[list[float]]:
-        """Per-step scores in [0, 1] of each episode (``[]`` for an episode with no steps)."""
+        """Per-step scores in [0, 1] of each episode (``[]`` for an episode with no steps);
+        through the prefix cache when it is on (:mod:`reward_models.prefix_scoring`)."""
+        import math
+
         import torch
 
         out: list[list[float]] = [[] for _ in episodes]
@@ -259,6 +268,12 @@ class ProcessRewardModel(RewardModel):
         self.model.eval()
         try:
             with torch.inference_mode():
+                if self.prefix is not None:
+                    got = self.prefix.logits(self.model, [e for _, e in todo], self.batch_size,
+                                             self.tokenizer.pad_token_id)
+                    for (i, _), row in zip(todo, got):
+                        out[i] = [1.0 / (1.0 + math.exp(-v)) for v in row]
+                    return out
                 for start in range(0, len(todo), self.batch_size):
                     chunk = todo[start:start + self.batch_size]
                     probs = torch.sigmoid(self.logits(self.collate([e for _, e in chunk])).float())
@@ -268,8 +283,32 @@ class ProcessRewardModel(RewardModel):
             self.model.train(was_training)
         return out
 
+    def stats(self) -> dict[str, Any]:
+        """The prefix cache's counters (steps read from the memo, tokens forwarded), when on."""
+        return {} if self.prefix is None else {"prefix_cache": self.prefix.stats()}
 
-_OPTIONS = {"device", "dtype", "aggregation", "read", "input", "batch_size", "max_length"}
+    def clear_cache(self) -> None:
+        if self.prefix is not None:
+            self.prefix.clear()
+
+
+def _prefix_scorer(on: Any, mb: Any) -> PrefixScorer | None:
+    """The ``prefix_cache`` / ``prefix_cache_mb`` options as a scorer (None: off)."""
+    if isinstance(on, str) and on.lower() in ("on", "off", "true", "false"):
+        on = on.lower() in ("on", "true")
+    if not isinstance(on, bool) and on not in (0, 1):
+        raise ValueError(f"prefix_cache must be on or off (got {on!r})")
+    try:
+        mb = float(mb)
+    except (TypeError, ValueError):
+        mb = -1.0
+    if not mb > 0:
+        raise ValueError(f"prefix_cache_mb must be a number of MiB > 0")
+    return PrefixScorer(mb) if on else None
+
+
+_OPTIONS = {"device", "dtype", "aggregation", "read", "input", "batch_size", "max_length",
+            "prefix_cache", "prefix_cache_mb"}
 
 
 def load_spec(cls: type, arg: str) -> ProcessRewardModel:

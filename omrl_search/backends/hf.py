@@ -45,6 +45,7 @@ from ..policy import (Policy, PolicyError, from_path_spec, register_policy, requ
                       require)
 from ..types import GenRequest
 from ._decode import ChunkedDecoder, Row, prefix_groups
+from ._kv import kv_of_row, load_cached, make_cache
 from ._prefix_cache import RadixCache
 from .hf_tokenizer import HFChatTokenizer
 
@@ -270,7 +271,7 @@ class HFPolicy(ChunkedDecoder, Policy):
         else:  # shared prefixes (the system prompt, one task's prompt...) prefilled once each
             levels = _prefill_levels(prompts, self.min_shared_prefix, self.group_prefixes)
         widths = [max(e - s for _, s, e in lrows) for lrows, _ in levels]
-        cache = _make_cache(self.model.config, capacity=Wc + sum(widths) + extra)
+        cache = make_cache(self.model.config, capacity=Wc + sum(widths) + extra)
         mask = None
         if Wc:
             mask = self._load_cached(cache, hits, Wc)
@@ -295,43 +296,15 @@ class HFPolicy(ChunkedDecoder, Policy):
         return cache, mask, o.logits[:, -1, :].float(), cached
 
     def _load_cached(self, cache: Any, hits: list[tuple[int, list[Any]]], W: int) -> Any:
-        """Copy each row's cached prefix (right-aligned in ``W`` columns) into the empty batch
-        ``cache``; return the columns' attention mask."""
-        torch = self._torch
-        U = len(hits)
-        first = next(parts[0] for n, parts in hits if n)
-        L, _, H, _, D = first.shape
-        if len(cache.layers) != L or not all(hasattr(layer, "_n") for layer in cache.layers):
-            raise PolicyError("hf: the prefix cache needs a plain KV cache (no sliding-window or "
-                              "quantized layers); pass prefix_cache=off")
-        seg = torch.zeros((U, W), dtype=torch.long, device=self.device)
-        for u, (n, _) in enumerate(hits):
-            seg[u, W - n:] = 1 if n else 0
-        for l, layer in enumerate(cache.layers):
-            k = first.new_zeros((U, H, W, D))
-            v = first.new_zeros((U, H, W, D))
-            for u, (n, parts) in enumerate(hits):
-                at = W - n
-                for part in parts:
-                    t = part.shape[-2]
-                    k[u, :, at:at + t] = part[l, 0]
-                    v[u, :, at:at + t] = part[l, 1]
-                    at += t
-            layer.update(k, v)
-        return seg
+        try:
+            return load_cached(cache, hits, W, self.device)
+        except ValueError as exc:
+            raise PolicyError(f"hf: {exc}; pass prefix_cache=off") from None
 
     def _remember(self, cache: Any, mask: Any, b: int, tokens: list[int]) -> None:
         """Store batch row ``b``'s KV for ``tokens`` (its first ``len(tokens)`` unmasked
         columns) in the prefix cache; only the part the cache lacks is gathered."""
-        cols = mask[b].nonzero().squeeze(1)[:len(tokens)]
-        torch = self._torch
-
-        def kv_of(s: int, e: int) -> Any:
-            c = cols[s:e]
-            return torch.stack([torch.stack([layer.keys[b][:, c], layer.values[b][:, c]])
-                                for layer in cache.layers])
-
-        self.prefix_cache.insert(tokens, kv_of)  # type: ignore[union-attr]
+        self.prefix_cache.insert(tokens, kv_of_row(cache, mask, b, len(tokens)))  # type: ignore[union-attr]
 
     def _remember_rows(self, state: dict[str, Any], batch_rows: list[int], active: list[int]) -> None:
         """Store the prompt and the generated tokens already fed (all but the last) of each
@@ -469,64 +442,6 @@ def _make_prefix_cache(on: Any, mb: Any) -> RadixCache | None:
     if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb > 0:
         raise PolicyError(f"hf: prefix_cache_mb must be a number of MiB > 0 (got {mb!r})")
     return RadixCache(mb) if on else None
-
-
-def _make_cache(config: Any, capacity: int) -> Any:
-    """A KV cache whose layers append into preallocated buffers.
-
-    transformers' ``DynamicLayer`` grows by ``torch.cat`` at every step, which copies the whole
-    cache each time (most of a CPU decode step at batch 32); here a step writes one column."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
-
-    cls = _prealloc_layer_class(DynamicLayer)
-    cache = DynamicCache(config=config)
-    if all(type(layer) is DynamicLayer for layer in cache.layers) and cache.layers:
-        cache.layers = [cls(capacity) for _ in cache.layers]
-    return cache
-
-
-_PREALLOC: dict[type, type] = {}
-
-
-def _prealloc_layer_class(base: type) -> type:
-    if base in _PREALLOC:
-        return _PREALLOC[base]
-
-    class PreallocLayer(base):  # type: ignore[misc, valid-type]
-        def __init__(self, capacity: int) -> None:
-            super().__init__()
-            self.capacity = capacity
-            self._k = self._v = None
-            self._n = 0
-
-        def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> Any:
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            n, t = self._n, key_states.shape[-2]
-            if self._k is None or n + t > self._k.shape[-2]:
-                cap = max(self.capacity, 2 * (n + t))
-                shape = (*key_states.shape[:-2], cap, key_states.shape[-1])
-                k, v = key_states.new_empty(shape), value_states.new_empty(shape)
-                if n:
-                    k[..., :n, :] = self._k[..., :n, :]
-                    v[..., :n, :] = self._v[..., :n, :]
-                self._k, self._v = k, v
-            self._k[..., n:n + t, :] = key_states
-            self._v[..., n:n + t, :] = value_states
-            self._n = n + t
-            self.keys, self.values = self._k[..., :self._n, :], self._v[..., :self._n, :]
-            return self.keys, self.values
-
-        def batch_select_indices(self, indices: Any) -> None:
-            if self._k is not None:
-                self._k = self._k[indices, ...]
-                self._v = self._v[indices, ...]
-                self.keys, self.values = self._k[..., :self._n, :], self._v[..., :self._n, :]
-
-    _PREALLOC[base] = PreallocLayer
-    return PreallocLayer
-
 
 
 Level = tuple[list[tuple[int, int, int]], "list[int] | None"]
