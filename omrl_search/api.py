@@ -18,7 +18,7 @@ from .types import SamplingParams, Task
 #: a run's summary row; ``ci_low``/``ci_high`` bound the success rate (Wilson 95%, docs/design.md §8)
 SUMMARY_FIELDS = ("tasks", "successes", "success_rate", "ci_low", "ci_high", "prompt_tokens",
                   "prefill_tokens", "cached_tokens", "completion_tokens", "lm_calls", "rm_calls",
-                  "env_steps", "seconds", "faults")
+                  "rm_tokens", "env_steps", "seconds", "faults")
 
 
 def load_tasks(env: str, split: str = "test", limit: int | None = None,
@@ -99,7 +99,8 @@ def summarize(results: Iterable[SearchResult], seconds: float | None = None) -> 
     out: dict[str, Any] = dict.fromkeys(SUMMARY_FIELDS, 0)
     out.update(rate(sum(bool(r.success) for r in results), len(results)))
     for r in results:
-        for key in ("prompt_tokens", "cached_tokens", "completion_tokens", "lm_calls", "rm_calls", "env_steps"):
+        for key in ("prompt_tokens", "cached_tokens", "completion_tokens", "lm_calls", "rm_calls",
+                    "rm_tokens", "env_steps"):
             out[key] += int(r.spent.get(key, 0))
         out["faults"] += len(r.faults)
     # prompt tokens the backend computed (the rest its prefix cache served; all of them in

@@ -251,7 +251,7 @@ def per_task(s: dict[str, Any], key: str) -> float:
         value = s["prompt_tokens"] + s["completion_tokens"]
     elif key == "prefill_tokens":
         value = s.get(key, s["prompt_tokens"])
-    elif key == "cached_tokens":
+    elif key in ("cached_tokens", "rm_tokens"):  # 0 in summaries written before they were kept
         value = s.get(key, 0)
     else:
         value = s[key]
@@ -301,14 +301,15 @@ def markdown(config: dict[str, Any], rows: dict[str, dict[str, dict[str, Any]]])
                                                           else "–" for b in labels) + " |")
     lines += ["", "Compute spent, mean per task (tokens: prompt + completion; of the prompt tokens, "
               "prefill: computed by the backend, cached: served by its prefix cache):", "",
-              "| strategy | budget | success | tokens | prefill | cached | lm_calls | rm_calls | env_steps "
-              "| faults |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "| strategy | budget | success | tokens | prefill | cached | lm_calls | rm_calls | rm_tokens "
+              "| env_steps | faults |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, per in rows.items():
         for b in labels:
             s = per[b]
             lines.append(f"| {name} | {b} | {s['success_rate']:.2f} | {per_task(s, 'tokens'):.0f} | "
                          f"{per_task(s, 'prefill_tokens'):.0f} | {per_task(s, 'cached_tokens'):.0f} | "
                          f"{per_task(s, 'lm_calls'):.1f} | {per_task(s, 'rm_calls'):.1f} | "
+                         f"{per_task(s, 'rm_tokens'):.0f} | "
                          f"{per_task(s, 'env_steps'):.1f} | {s['faults']} |")
     return "\n".join(lines) + "\n"
 

@@ -2,6 +2,8 @@
 
 Kinds: ``prompt_tokens``, ``completion_tokens``, ``tokens`` (both together), ``lm_calls`` (one per
 request sent to the policy, whatever its ``n``), ``rm_calls`` (one per prefix scored),
+``rm_tokens`` (tokens a learned reward model ran through its network to score them, after its
+prefix cache: what the scores cost in compute; 0 for reward models that report none),
 ``env_steps`` and ``seconds`` (wall time). A strategy checks the budget *before* each batched
 call, so a search overshoots a limit by at most the one batch in flight.
 
@@ -25,7 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .types import Generation
 
 KINDS = ("tokens", "prompt_tokens", "completion_tokens", "prefill_tokens", "cached_tokens", "lm_calls",
-         "rm_calls", "env_steps", "seconds")
+         "rm_calls", "rm_tokens", "env_steps", "seconds")
 
 
 class BudgetExhausted(Exception):
@@ -54,6 +56,7 @@ class Spent:
     cached_tokens: int = 0  # of prompt_tokens, those a prefix cache served
     lm_calls: int = 0
     rm_calls: int = 0
+    rm_tokens: int = 0  # tokens a learned reward model forwarded to score this search's prefixes
     env_steps: int = 0
     seconds: float = 0.0
 
@@ -70,7 +73,7 @@ class Spent:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "tokens": self.tokens, "prefill_tokens": self.prefill_tokens,
                 "cached_tokens": self.cached_tokens, "lm_calls": self.lm_calls, "rm_calls": self.rm_calls,
-                "env_steps": self.env_steps, "seconds": round(self.seconds, 4)}
+                "rm_tokens": self.rm_tokens, "env_steps": self.env_steps, "seconds": round(self.seconds, 4)}
 
 
 @dataclass(slots=True)
@@ -122,7 +125,7 @@ class Budget:
             raise BudgetExhausted(kind)
 
     def charge(self, *, prompt_tokens: int = 0, completion_tokens: int = 0, lm_calls: int = 0,
-               rm_calls: int = 0, env_steps: int = 0, cached_tokens: int = 0) -> None:
+               rm_calls: int = 0, env_steps: int = 0, cached_tokens: int = 0, rm_tokens: int = 0) -> None:
         """Add to what has been spent; ``cached_tokens`` are part of ``prompt_tokens`` (counted
         in it, at most all of it), not on top of them."""
         s = self.spent
@@ -131,6 +134,7 @@ class Budget:
         s.completion_tokens += completion_tokens
         s.lm_calls += lm_calls
         s.rm_calls += rm_calls
+        s.rm_tokens += rm_tokens
         s.env_steps += env_steps
 
     def charge_lm(self, gens: "Sequence[Generation]" = ()) -> None:

@@ -266,9 +266,12 @@ class Engine:
                           for s, (*_, agg) in zip(rm.score(trajs), flat)]
         except Exception as exc:
             values = [exc] * len(flat)
+        costs = getattr(rm, "last_tokens", None)  # per prefix, from reward models that count them
+        if not isinstance(costs, list) or len(costs) != len(flat):
+            costs = [0] * len(flat)
         out: dict[int, list[float]] = {i: [] for i, _ in ops}
-        for (i, ctx, node, _), v in zip(flat, values):
-            ctx.budget.charge(rm_calls=1)
+        for (i, ctx, node, _), v, cost in zip(flat, values, costs):
+            ctx.budget.charge(rm_calls=1, rm_tokens=int(cost))
             ctx.verifier_used |= rm.uses_verifier
             if isinstance(v, Exception):
                 ctx.faults.append(f"rm: {type(v).__name__}: {v}")

@@ -177,11 +177,11 @@ class SearchContext:
         """Reward-model values of the paths ending at ``nodes`` (stored in ``node.score``);
         per-step scores reduced by ``aggregation`` (default: the reward model's own).
 
-        Only the limits an evaluation spends (``rm_calls``, ``seconds``) stop it: scoring what
+        Only the limits an evaluation spends (``rm_calls``, ``rm_tokens``, ``seconds``) stop it: scoring what
         a spent token budget already paid for (best-of-N's samples) is what a search is for."""
         if self.engine.reward_model is None:
             raise RuntimeError("evaluate() needs a reward model")
-        self.check(("rm_calls", "seconds"))
+        self.check(("rm_calls", "rm_tokens", "seconds"))
         if not nodes:
             return []
         return await EvaluateOp(self, list(nodes), aggregation)

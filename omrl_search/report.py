@@ -28,7 +28,8 @@ SKIP_DIRS = {"checkpoints", "tb", "adapter", "__pycache__", "node_modules"}
 ROUND_RE = re.compile(r"^round[_-]?(\d+)$")
 #: per-task means each row carries (prefill and cached: the prompt tokens computed by the backend
 #: and those served by its prefix cache, see omrl_search.budget)
-PER_TASK = ("tokens", "prefill_tokens", "cached_tokens", "lm_calls", "rm_calls", "env_steps", "seconds")
+PER_TASK = ("tokens", "prefill_tokens", "cached_tokens", "lm_calls", "rm_calls", "rm_tokens", "env_steps",
+            "seconds")
 #: the page's script, in order (one function scope): helpers and charts, the tree viewer, the page
 JS_PARTS = ("base.js", "tree.js", "sections.js")
 

@@ -39,6 +39,9 @@ class RewardModel(ABC):
     aggregation: str = "last"
     #: True when scores read the env's success check (results then say ``verifier_in_loop``)
     uses_verifier: bool = False
+    #: after :meth:`score`, optionally the tokens run through the model for each prefix (the
+    #: engine charges them to the search's ``rm_tokens``); None: not counted
+    last_tokens: list[int] | None = None
 
     @abstractmethod
     def score(self, prefixes: list[Trajectory]) -> list[list[float]]:

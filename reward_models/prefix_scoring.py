@@ -79,11 +79,12 @@ class PrefixScorer:
             self._key = key
 
     def logits(self, model: Any, encoded: Sequence[tuple[list[int], list[int]]], batch_size: int,
-               pad_id: int) -> list[list[float]]:
-        """The logit at every read position of every ``(ids, positions)`` (call under
-        ``torch.inference_mode``, model in eval mode)."""
+               pad_id: int) -> tuple[list[list[float]], list[int]]:
+        """The logit at every read position of every ``(ids, positions)``, and how many tokens
+        each row ran through the model (call under ``torch.inference_mode``, model in eval mode)."""
         self._check_weights(model)
         out: list[list[float | None]] = []
+        cost = [0] * len(encoded)
         work = []  # (row, first step to read, cached length, its KV pieces, last token)
         for r, (ids, pos) in enumerate(encoded):
             keys = prefix_digests(ids, pos)
@@ -105,7 +106,9 @@ class PrefixScorer:
         work.sort(key=lambda w: w[4] + 1 - w[2])  # rows with as many new tokens together
         for start in range(0, len(work), batch_size):
             self._forward(model, encoded, work[start:start + batch_size], out, pad_id)
-        return out  # type: ignore[return-value]
+        for r, _, n, _, last, _ in work:
+            cost[r] = last + 1 - n
+        return out, cost  # type: ignore[return-value]
 
     def _forward(self, model: Any, encoded: Sequence[tuple[list[int], list[int]]], chunk: list,
                  out: list[list[float | None]], pad_id: int) -> None:

@@ -264,21 +264,24 @@ class ProcessRewardModel(RewardModel):
         out: list[list[float]] = [[] for _ in episodes]
         todo = [(i, self.encode(ep)) for i, ep in enumerate(episodes) if len(ep)]
         todo.sort(key=lambda t: len(t[1][0]))
+        self.last_tokens = [0] * len(episodes)  # tokens forwarded per episode (rm_tokens)
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.inference_mode():
                 if self.prefix is not None:
-                    got = self.prefix.logits(self.model, [e for _, e in todo], self.batch_size,
-                                             self.tokenizer.pad_token_id)
-                    for (i, _), row in zip(todo, got):
+                    got, cost = self.prefix.logits(self.model, [e for _, e in todo], self.batch_size,
+                                                   self.tokenizer.pad_token_id)
+                    for (i, _), row, c in zip(todo, got, cost):
                         out[i] = [1.0 / (1.0 + math.exp(-v)) for v in row]
+                        self.last_tokens[i] = c
                     return out
                 for start in range(0, len(todo), self.batch_size):
                     chunk = todo[start:start + self.batch_size]
                     probs = torch.sigmoid(self.logits(self.collate([e for _, e in chunk])).float())
-                    for row, (i, (_, pos)) in zip(probs.tolist(), chunk):
+                    for row, (i, (ids, pos)) in zip(probs.tolist(), chunk):
                         out[i] = row[:len(pos)]
+                        self.last_tokens[i] = len(ids)
         finally:
             self.model.train(was_training)
         return out

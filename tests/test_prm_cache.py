@@ -115,6 +115,18 @@ def test_a_prm_guided_search_picks_the_same_with_and_without_the_cache(pair):
         assert [n.state_key for n in x.tree.nodes] == [n.state_key for n in y.tree.nodes]
         assert [n.score for n in x.tree.nodes] == pytest.approx([n.score for n in y.tree.nodes], abs=1e-4)
     assert on.stats()["prefix_cache"]["memo_hits"] > 0
+    # what the scores cost is charged: tokens forwarded, fewer through the cache
+    spent_on = sum(r.spent["rm_tokens"] for r in a)
+    spent_off = sum(r.spent["rm_tokens"] for r in b)
+    assert 0 < spent_on < spent_off
+
+
+def test_an_rm_tokens_budget_stops_a_prm_guided_search(pair):
+    on, _ = pair
+    task = om.load_tasks("game24", "test", limit=1)
+    res = om.search_many(task, strategy="mcts:simulations=200,k=2,value=rm", policy="scripted:oracle:p=0.5",
+                         reward_model=on, budget="rm_tokens=400", seed=0)[0]
+    assert res.stop_reason == "budget:rm_tokens" and res.spent["rm_tokens"] >= 400
 
 
 @pytest.mark.parametrize("opts, msg", [({"prefix_cache": "maybe"}, "prefix_cache must be on or off"),
