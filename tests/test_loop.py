@@ -211,3 +211,28 @@ def test_agent_act_reaches_the_loops_searches_demonstrations_and_evals(tmp_path)
     rows = _bench(cfg, sets.dev[:2], "react", "tokens=2000", cfg.policy, None, e)
     assert rows["react"]
     assert json.loads((e / "summary.json").read_text())["config"]["agent"] == "act"
+
+
+def test_prm_demos_false_labels_the_search_trees_without_the_solver_demonstrations(tmp_path):
+    """``prm_demos: false``: the PRM's label rows come from the round's own search trees only;
+    by default the solver demonstrations are labelled too."""
+    from reward_models.label_files import load_label_dir
+    from train.loop import LoopConfig
+    from train.loop_stages import TaskSets, cfg_path, labels_stage, search_stage
+
+    counts = {}
+    for demos in (True, False):
+        out = tmp_path / str(demos)
+        cfg = LoopConfig(env="countdown", policy="scripted:oracle:p=0.3", agent="act", train_limit=2,
+                         expert_demos=3, dev_limit=5, progress=False, out=str(out),
+                         search_strategy="best_of_n:n=2", prm_demos=demos)
+        d = cfg_path(cfg, 1, "search")
+        d.mkdir(parents=True)
+        search_stage(cfg, TaskSets(cfg), 1, cfg.policy, None)(d)
+        labels = out / "labels"
+        labels.mkdir()
+        labels_stage(cfg, 1, cfg.policy)(labels)
+        rows = load_label_dir(str(labels))
+        counts[demos] = sum(r["strategy"].startswith("react") for r in rows), len(rows)
+    assert counts[True][0] == 3 and counts[False][0] == 0  # the demos: three react rows, or none
+    assert counts[True][1] - 3 == counts[False][1] > 0     # the search's own rows either way

@@ -77,6 +77,9 @@ class LoopConfig(BaseModel):
     prm_settings: dict[str, Any] = Field(default_factory=lambda: {
         "max_steps": 60, "keep_layers": 8, "train_layers": 2, "batch_size": 8})
     label_rollouts: int = Field(0, ge=0)  # extra MC rollouts per step (0: the trees' own leaves)
+    # label the solver demonstrations for the PRM too (all successes, worded unlike the policy:
+    # they teach "solver-like = good", which a search over the policy's own steps cannot use)
+    prm_demos: bool = True
     # policy training
     first: list[str] = Field(default_factory=lambda: ["sft"])
     then: list[str] = Field(default_factory=lambda: ["rs_sft", "dpo"])

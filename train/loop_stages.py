@@ -141,7 +141,8 @@ def labels_stage(cfg: "LoopConfig", r: int, model: str):
         from reward_models.label_files import write_labels
         from reward_models.labels import label_results, summarize_rows
 
-        results = [res for f in search_files(cfg, r) for res in read_results(f)]
+        files = search_files(cfg, r) if cfg.prm_demos else search_files(cfg, r)[:1]
+        results = [res for f in files for res in read_results(f)]
         policy = make_policy(policy_spec(model)) if cfg.label_rollouts else None
         rows = label_results(results, policy=policy, rollouts=cfg.label_rollouts, seed=cfg.seed + r,
                              sampling=SamplingParams(cfg.temperature, max_tokens=cfg.max_tokens))
