@@ -165,13 +165,19 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def _result_files(paths: Sequence[str]) -> list[Path]:
+    """Result files named, or in a folder: its ``results.jsonl`` (``omrl search``) or, failing
+    that, its ``trees/*.jsonl`` (``omrl bench --save-trees``)."""
     out = []
     for raw in paths:
         p = Path(raw)
         if p.is_dir():
+            trees = sorted((p / "trees").glob("*.jsonl"))
+            if not (p / "results.jsonl").is_file() and trees:
+                out += trees
+                continue
             p = p / "results.jsonl"
         if not p.is_file():
-            raise ValueError(f"{raw}: no such results file")
+            raise ValueError(f"{raw}: no such results file (nor a bench folder with trees/*.jsonl)")
         out.append(p)
     return out
 

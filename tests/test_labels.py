@@ -202,3 +202,19 @@ def test_replay_that_diverges_from_the_recorded_tree_is_an_error():
     node.state_key = "not-the-recorded-state"
     with pytest.raises(ValueError, match="diverged from the recorded tree"):
         label_results(res, policy="scripted:oracle:p=0.5", rollouts=50)
+
+
+def test_label_reads_a_bench_folders_saved_trees(tmp_path, capsys):
+    """``omrl label BENCH_DIR``: a bench run with ``--save-trees`` has no results.jsonl; its
+    trees/*.jsonl (one file per strategy and budget) are what is labelled."""
+    run = tmp_path / "bench"
+    assert main(["bench", "--env", "game24", "--split", "test", "--limit", "2", "--policy",
+                 "scripted:oracle:p=0.5", "--strategies", "react,beam:width=2,k=2", "--budgets",
+                 "tokens=3000", "--out", str(run), "--no-progress", "--save-trees"]) == 0
+    assert len(list((run / "trees").glob("*.jsonl"))) == 2 and not (run / "results.jsonl").exists()
+    out = tmp_path / "labels"
+    assert main(["label", str(run), "--out", str(out), "--rollouts", "0", "--no-progress"]) == 0
+    from reward_models.label_files import load_label_dir
+
+    rows = load_label_dir(str(out))
+    assert {r["strategy"].split(":")[0] for r in rows} == {"react", "beam"}
