@@ -108,6 +108,7 @@ class PrefixScorer:
             self._forward(model, encoded, work[start:start + batch_size], out, pad_id)
         for r, _, n, _, last, _ in work:
             cost[r] = last + 1 - n
+        self.counts["forwarded_tokens"] += sum(cost)
         return out, cost  # type: ignore[return-value]
 
     def _forward(self, model: Any, encoded: Sequence[tuple[list[int], list[int]]], chunk: list,
@@ -143,6 +144,5 @@ class PrefixScorer:
                 out[r][j] = v
                 self.memo[keys[j]] = v
             self.kv.insert(ids[:last + 1], kv_of_row(cache, mask, b, last + 1))
-            self.counts["forwarded_tokens"] += last + 1 - n
         while len(self.memo) > self.memo_entries:
             self.memo.popitem(last=False)

@@ -27,6 +27,7 @@ import shutil
 import tempfile
 from typing import Any, Iterator, Sequence
 
+from omrl_search.backends._prefix_cache import cache_limit
 from omrl_search.reward import AGGREGATIONS, RewardModel, register_reward_model
 from omrl_search.specs import split_path_spec
 from omrl_search.tree import Trajectory
@@ -297,17 +298,8 @@ class ProcessRewardModel(RewardModel):
 
 def _prefix_scorer(on: Any, mb: Any) -> PrefixScorer | None:
     """The ``prefix_cache`` / ``prefix_cache_mb`` options as a scorer (None: off)."""
-    if isinstance(on, str) and on.lower() in ("on", "off", "true", "false"):
-        on = on.lower() in ("on", "true")
-    if not isinstance(on, bool) and on not in (0, 1):
-        raise ValueError(f"prefix_cache must be on or off (got {on!r})")
-    try:
-        mb = float(mb)
-    except (TypeError, ValueError):
-        mb = -1.0
-    if not mb > 0:
-        raise ValueError(f"prefix_cache_mb must be a number of MiB > 0")
-    return PrefixScorer(mb) if on else None
+    limit = cache_limit(on, mb)
+    return None if limit is None else PrefixScorer(limit)
 
 
 _OPTIONS = {"device", "dtype", "aggregation", "read", "input", "batch_size", "max_length",

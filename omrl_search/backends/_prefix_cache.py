@@ -22,6 +22,18 @@ from typing import Any, Callable, Sequence
 from ._decode import common_prefix
 
 
+def cache_limit(on: Any, mb: Any) -> float | None:
+    """The ``prefix_cache`` / ``prefix_cache_mb`` options (``on``/``off``/``true``/``false`` or a
+    bool; MiB > 0) as the cache's limit in MiB, None when off; ValueError naming the bad one."""
+    if isinstance(on, str) and on.lower() in ("on", "off", "true", "false"):
+        on = on.lower() in ("on", "true")
+    if not isinstance(on, bool) and on not in (0, 1):
+        raise ValueError(f"prefix_cache must be on or off (got {on!r})")
+    if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb > 0:
+        raise ValueError(f"prefix_cache_mb must be a number of MiB > 0 (got {mb!r})")
+    return float(mb) if on else None
+
+
 class _Node:
     __slots__ = ("tokens", "kv", "children", "parent", "last", "nbytes")
 

@@ -46,7 +46,7 @@ from ..policy import (Policy, PolicyError, from_path_spec, register_policy, requ
 from ..types import GenRequest
 from ._decode import ChunkedDecoder, Row, prefix_groups
 from ._kv import kv_of_row, load_cached, make_cache
-from ._prefix_cache import RadixCache
+from ._prefix_cache import RadixCache, cache_limit
 from .hf_tokenizer import HFChatTokenizer
 
 #: the CPU dtype used when ``dtype="auto"`` (on CPUs with native bfloat16, see
@@ -435,13 +435,11 @@ class HFPolicy(ChunkedDecoder, Policy):
 def _make_prefix_cache(on: Any, mb: Any) -> RadixCache | None:
     """The ``prefix_cache`` / ``prefix_cache_mb`` options as a cache (None: off), or one line
     saying which value is wrong."""
-    if isinstance(on, str) and on.lower() in ("on", "off", "true", "false"):
-        on = on.lower() in ("on", "true")
-    if not isinstance(on, bool) and on not in (0, 1):
-        raise PolicyError(f"hf: prefix_cache must be on or off (got {on!r})")
-    if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb > 0:
-        raise PolicyError(f"hf: prefix_cache_mb must be a number of MiB > 0 (got {mb!r})")
-    return RadixCache(mb) if on else None
+    try:
+        limit = cache_limit(on, mb)
+    except ValueError as exc:
+        raise PolicyError(f"hf: {exc}") from None
+    return None if limit is None else RadixCache(limit)
 
 
 Level = tuple[list[tuple[int, int, int]], "list[int] | None"]
