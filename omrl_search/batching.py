@@ -425,7 +425,8 @@ def _score_request(ctx: "SearchContext", node: "Node") -> GenRequest:
 def serve_scores(policy: Any, ops: "list[tuple[int, ScoreOp]]") -> dict[int, Any]:
     """Every pending scoring in one ``policy.score(requests, completions)`` call: per tree, per
     node, the total logprob of each completion. Each node's prompt is one request (its
-    completions share it) charged one LM call and the tokens read; a failed call scores every
+    completions share it) charged one LM call and the tokens read (of its prompt, those the
+    backend's prefix cache served as ``cached_tokens``: ``Policy.last_score_cached``); a failed call scores every
     completion 0 (uniform priors) and is a fault of each search."""
     flat, requests, out = [], [], {}
     for i, op in ops:
@@ -447,9 +448,12 @@ def serve_scores(policy: Any, ops: "list[tuple[int, ScoreOp]]") -> dict[int, Any
             raise RuntimeError(f"policy.score returned {type(got).__name__} for {len(flat)} requests")
     except Exception as exc:
         got = [exc] * len(flat)
-    for (i, ctx, comps), req, scores in zip(flat, requests, got):
+    served = getattr(policy, "last_score_cached", None)  # prompt tokens its prefix cache served
+    if not isinstance(served, list) or len(served) != len(flat):
+        served = [0] * len(flat)
+    for (i, ctx, comps), req, scores, cached in zip(flat, requests, got, served):
         ctx.budget.charge(lm_calls=1, prompt_tokens=len(req.prompt_ids or ())
-                          + sum(len(ctx.prompts.encode(c)) for c in comps))
+                          + sum(len(ctx.prompts.encode(c)) for c in comps), cached_tokens=cached)
         if not isinstance(scores, Exception):
             scores = checked_scores(scores, len(comps))
         if isinstance(scores, Exception):

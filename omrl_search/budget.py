@@ -13,7 +13,8 @@ Prompt tokens split in two, for backends with a prefix cache (``Generation.cache
 ``prompt_tokens`` (and so ``tokens``) still counts every prompt token, cached or not, so a token
 budget means the same whatever the backend caches; a ``prefill_tokens`` limit budgets the compute
 spent reading prompts instead. A backend without a cache reports 0 cached tokens (every prompt
-token is prefill), as does an LM call whose usage is counted by the engine itself (``score``).
+token is prefill). ``Policy.score`` calls are charged by the engine, their cached prompt tokens
+from the backend's ``last_score_cached`` (0 where a backend does not set it).
 """
 from __future__ import annotations
 

@@ -72,6 +72,10 @@ class Policy(ABC):
         ``score`` cannot serve sets ``can_score = False``."""
         return type(self).score is not Policy.score
 
+    #: per request of the last :meth:`score` call, how many of its prompt tokens a prefix cache
+    #: served (backends with one set it; the engine charges them as ``cached_tokens``, not prefill)
+    last_score_cached: list[int] | None = None
+
     def score(self, requests: list[GenRequest], completions: list[list[str]]) -> list[list[float]]:
         """Per request, the total logprob of each of ``completions[i]`` (texts) as the next
         step after ``requests[i]``'s prompt: the sum of the logprobs of the completion's

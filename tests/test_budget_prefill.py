@@ -36,7 +36,7 @@ def test_cached_tokens_clamped_to_the_prompt() -> None:
     b.charge_lm([gen(10, 25)])  # a backend that over-reports cannot make prefill negative
     b.charge_lm([gen(10, -3)])
     assert (b.spent.cached_tokens, b.spent.prefill_tokens) == (10, 10)
-    b.charge(prompt_tokens=30)  # charged without a cache figure (Policy.score): all prefill
+    b.charge(prompt_tokens=30)  # charged without a cache figure: all prefill
     assert b.spent.prefill_tokens == 40
 
 

@@ -96,6 +96,40 @@ def test_hf_scored_step_prompt_reuses_the_candidate(hf):
     assert hf.prefix_cache.match_len(p + comp + [3, 4]) == len(p) + len(comp)
 
 
+def test_hf_score_reports_cached_prompt_tokens(hf):
+    """``last_score_cached``: per request, the prompt tokens its prefix cache served (0 on a cold
+    cache, the whole prompt but its last token once the prompt was scored before)."""
+    hf.prefix_cache.clear()
+    p, q = prompt(hf, "Observation: a lamp."), prompt(hf, "Observation: a long corridor.")
+    hf.score([req(p), req(q)], [COMPLETIONS[:2], COMPLETIONS[:1]])
+    assert hf.last_score_cached == [0, 0]
+    hf.score([req(q), req(p)], [COMPLETIONS[:1], COMPLETIONS[:3]])
+    assert hf.last_score_cached == [len(q) - 1, len(p) - 1]
+
+
+def test_engine_charges_what_score_says_the_cache_served():
+    """serve_scores charges each scored prompt's ``last_score_cached`` tokens as cached_tokens
+    (before, every scored prompt token counted as prefill); generations report none here."""
+    from omrl_search.backends.scripted import OraclePolicy
+
+    class Served(OraclePolicy):
+        served = 0
+
+        def score(self, requests, completions):
+            out = super().score(requests, completions)
+            self.last_score_cached = [3] * len(requests)
+            Served.served += 3 * len(requests)
+            return out
+
+    pol = Served(p=0.3)
+    task = om.load_tasks("countdown", "test", limit=1)
+    (res,) = om.search_many(task, strategy="mcts:priors=policy,simulations=8,k=2", policy=pol,
+                            budget="lm_calls=30", seed=0)
+    spent = res.spent
+    assert Served.served > 0 and spent["cached_tokens"] == Served.served
+    assert spent["prefill_tokens"] + spent["cached_tokens"] == spent["prompt_tokens"]
+
+
 # --- scripted -------------------------------------------------------------------------------------
 def scripted_request(env_name: str):
     task = om.load_tasks(env_name, "test", limit=1)[0]

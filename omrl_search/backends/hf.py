@@ -333,6 +333,8 @@ class HFPolicy(ChunkedDecoder, Policy):
         prompts = [self._prompt_ids(r) for r in requests]
         cands = [[self.tokenizer.encode(c) for c in comps] for comps in completions]
         out = [[0.0] * len(c) for c in cands]
+        served = [0] * len(requests)  # prompt tokens from the prefix cache, per request
+        self.last_score_cached = served
         pairs = [(i, j) for i, cs in enumerate(cands) for j, ids in enumerate(cs) if ids]
         for i, j in pairs:
             if len(prompts[i]) + len(cands[i][j]) > self._max_positions:
@@ -343,7 +345,9 @@ class HFPolicy(ChunkedDecoder, Policy):
             for start in range(0, len(pairs), self.max_batch):
                 chunk = pairs[start:start + self.max_batch]
                 W = max(len(cands[i][j]) for i, j in chunk)
-                cache, mask, first, _ = self._prefill_rows([i for i, _ in chunk], prompts, W)
+                cache, mask, first, cached = self._prefill_rows([i for i, _ in chunk], prompts, W)
+                for (i, _), n in zip(chunk, cached):
+                    served[i] = max(served[i], n)
                 B = len(chunk)
                 ids = torch.full((B, W), self.tokenizer.pad_token_id, dtype=torch.long)
                 seg = torch.zeros((B, W), dtype=torch.long)
