@@ -6,16 +6,14 @@ the puzzles keep-best decides on).
     python benchmarks/task_file.py --env countdown --split train --level 1:120 --level 2:120 \\
         --skip-last 100 --out runs/ei/tasks.jsonl
 
-A row is the task's id, split and data; the file is read back through the env's own
-``load_tasks`` before it is written, so a file this writes always loads.
+A row is the task's id, split and data; every row is read back through the env's own
+``task_from_dict`` before the file is written (atomically), so a file this writes always loads.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -43,29 +41,31 @@ def main() -> None:
     args = ap.parse_args()
 
     from omrl_search.env import env_class
+    from omrl_search.outdir import write_file_atomic
 
     cls = env_class(args.env)
     tasks = cls.tasks(args.split)
     pool = tasks[:len(tasks) - args.skip_last] if args.skip_last else tasks
-    counts = level_counts(args.level)
-    chosen = list(pool) if not counts else [
-        t for level, n in sorted(counts.items()) for t in [t for t in pool if t.data.get("level") == level][:n]]
-    for level, n in counts.items():
-        got = sum(t.data.get("level") == level for t in chosen)
-        if got < n:
-            print(f"task_file: level {level} has {got} tasks, not {n}", file=sys.stderr)
+    chosen = list(pool)
+    if args.level:
+        chosen = []
+        for level, n in sorted(level_counts(args.level).items()):
+            picked = [t for t in pool if t.data.get("level") == level][:n]
+            if len(picked) < n:
+                print(f"task_file: level {level} has {len(picked)} tasks, not {n}", file=sys.stderr)
+            chosen += picked
+    rows = [{"task_id": t.task_id, "split": t.split, **t.data} for t in chosen]
+    for row in rows:
+        try:
+            same = cls.task_from_dict(row).task_id == row["task_id"]
+        except (ValueError, TypeError, KeyError, NotImplementedError) as exc:
+            raise SystemExit(f"task_file: {args.env} cannot read task {row['task_id']} back: {exc}")
+        if not same:
+            raise SystemExit(f"task_file: {args.env} read task {row['task_id']} back under another id")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".jsonl")
-    with os.fdopen(fd, "w") as f:
-        for t in chosen:
-            f.write(json.dumps({"task_id": t.task_id, "split": t.split, **t.data}) + "\n")
-    back = cls.load_tasks(tmp)  # raises file:line: reason on a row the env cannot read
-    if [t.task_id for t in back] != [t.task_id for t in chosen]:
-        os.unlink(tmp)
-        raise SystemExit(f"task_file: {args.env} did not read the rows back as written")
-    os.replace(tmp, out)
-    print(f"wrote {len(chosen)} tasks to {out}")
+    write_file_atomic(out, "".join(json.dumps(row) + "\n" for row in rows))
+    print(f"wrote {len(rows)} tasks to {out}")
 
 
 if __name__ == "__main__":

@@ -113,12 +113,12 @@ def test_engine_charges_what_score_says_the_cache_served():
     from omrl_search.backends.scripted import OraclePolicy
 
     class Served(OraclePolicy):
-        served = 0
+        served = 0  # tokens reported so far (this instance's)
 
         def score(self, requests, completions):
             out = super().score(requests, completions)
             self.last_score_cached = [3] * len(requests)
-            Served.served += 3 * len(requests)
+            self.served += 3 * len(requests)
             return out
 
     pol = Served(p=0.3)
@@ -126,7 +126,7 @@ def test_engine_charges_what_score_says_the_cache_served():
     (res,) = om.search_many(task, strategy="mcts:priors=policy,simulations=8,k=2", policy=pol,
                             budget="lm_calls=30", seed=0)
     spent = res.spent
-    assert Served.served > 0 and spent["cached_tokens"] == Served.served
+    assert pol.served > 0 and spent["cached_tokens"] == pol.served
     assert spent["prefill_tokens"] + spent["cached_tokens"] == spent["prompt_tokens"]
 
 

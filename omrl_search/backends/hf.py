@@ -333,8 +333,8 @@ class HFPolicy(ChunkedDecoder, Policy):
         prompts = [self._prompt_ids(r) for r in requests]
         cands = [[self.tokenizer.encode(c) for c in comps] for comps in completions]
         out = [[0.0] * len(c) for c in cands]
-        served = [0] * len(requests)  # prompt tokens from the prefix cache, per request
-        self.last_score_cached = served
+        served: dict[int, int] = {}  # per request, prompt tokens the cache served at its first prefill
+        self.last_score_cached = None
         pairs = [(i, j) for i, cs in enumerate(cands) for j, ids in enumerate(cs) if ids]
         for i, j in pairs:
             if len(prompts[i]) + len(cands[i][j]) > self._max_positions:
@@ -347,7 +347,7 @@ class HFPolicy(ChunkedDecoder, Policy):
                 W = max(len(cands[i][j]) for i, j in chunk)
                 cache, mask, first, cached = self._prefill_rows([i for i, _ in chunk], prompts, W)
                 for (i, _), n in zip(chunk, cached):
-                    served[i] = max(served[i], n)
+                    served.setdefault(i, n)  # a later chunk finds the prompt this one computed
                 B = len(chunk)
                 ids = torch.full((B, W), self.tokenizer.pad_token_id, dtype=torch.long)
                 seg = torch.zeros((B, W), dtype=torch.long)
@@ -369,6 +369,7 @@ class HFPolicy(ChunkedDecoder, Policy):
                     out[i][j] = totals[r]
                     if self.prefix_cache is not None:  # the chosen step's prompt extends this
                         self._remember(cache, mask, r, prompts[i] + cands[i][j])
+        self.last_score_cached = [served.get(i, 0) for i in range(len(requests))]
         return out
 
     def _sample_rows(self, state: dict[str, Any], logits: Any,
