@@ -6,6 +6,13 @@ the puzzles keep-best decides on).
     python benchmarks/task_file.py --env countdown --split train --level 1:120 --level 2:120 \\
         --skip-last 100 --out runs/ei/tasks.jsonl
 
+A split with knobs (``train:level=1``) is its own seeded stream, which can hold puzzles of the
+plain split's dev slice: ``--exclude-last train:100`` leaves those out by puzzle (the task's
+data, not its id), and ``--exclude-file`` leaves out the puzzles of an earlier task file.
+
+    python benchmarks/task_file.py --env countdown --split train:level=1 --level 1:400 \\
+        --exclude-last train:100 --exclude-file runs/ei/tasks.jsonl --out runs/ei2/tasks.jsonl
+
 A row is the task's id, split and data; every row is read back through the env's own
 ``task_from_dict`` before the file is written (atomically), so a file this writes always loads.
 """
@@ -30,6 +37,27 @@ def level_counts(specs: list[str]) -> dict[int, int]:
     return out
 
 
+def puzzle_key(data: dict) -> str:
+    """What makes two tasks the same puzzle: their data, whatever their ids or streams."""
+    return json.dumps(data, sort_keys=True)
+
+
+def excluded_puzzles(cls, last: list[str], files: list[str]) -> set[str]:
+    """Puzzle keys of each ``SPLIT:N`` (the split's last N tasks) and of each task file."""
+    keys = set()
+    for spec in last:
+        split, sep, count = spec.rpartition(":")
+        if not (sep and split and count.isdigit()):
+            raise SystemExit(f"task_file: --exclude-last takes SPLIT:N, e.g. train:100 (got {spec!r})")
+        keys |= {puzzle_key(t.data) for t in cls.tasks(split)[-int(count):]}
+    for path in files:
+        try:
+            keys |= {puzzle_key(t.data) for t in cls.load_tasks(path)}
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"task_file: cannot read --exclude-file {path}: {exc}")
+    return keys
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--env", required=True)
@@ -37,6 +65,10 @@ def main() -> None:
     ap.add_argument("--level", action="append", default=[], metavar="LEVEL:COUNT",
                     help="the first COUNT tasks whose data has this level (repeatable; none: all)")
     ap.add_argument("--skip-last", type=int, default=0, help="leave out the split's last N tasks")
+    ap.add_argument("--exclude-last", action="append", default=[], metavar="SPLIT:N",
+                    help="leave out the puzzles of SPLIT's last N tasks (repeatable)")
+    ap.add_argument("--exclude-file", action="append", default=[], metavar="PATH",
+                    help="leave out the puzzles of this task file (repeatable)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -46,6 +78,8 @@ def main() -> None:
     cls = env_class(args.env)
     tasks = cls.tasks(args.split)
     pool = tasks[:len(tasks) - args.skip_last] if args.skip_last else tasks
+    avoid = excluded_puzzles(cls, args.exclude_last, args.exclude_file)
+    pool = [t for t in pool if puzzle_key(t.data) not in avoid]
     chosen = list(pool)
     if args.level:
         chosen = []
