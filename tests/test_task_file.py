@@ -56,7 +56,7 @@ def test_knob_stream_leaves_out_dev_slice_and_earlier_file_by_puzzle(tmp_path):
     stream = [(tuple(t.data["numbers"]), t.data["target"]) for t in CountdownEnv.tasks("train:level=1")]
     kept = [p for p in stream if p not in dev]
     assert a == kept[:60] and b == kept[60:120]
-    assert dev & set(stream[:120]), "the first 120 share shares no puzzle with the dev slice: the exclusion is untested"
+    assert dev & set(stream[:120]), "the first 120 share no puzzle with the dev slice: the exclusion is untested"
 
 
 def test_bad_exclude_spec_is_one_line_and_writes_nothing(tmp_path):
