@@ -215,6 +215,7 @@ class ProcessRewardModel(RewardModel):
             raise ValueError(f"{folder}: no backbone weights")
         self.model.backbone.load_state_dict(state, strict=True)
         self.model.head.load_state_dict(load_file(os.path.join(folder, HEAD_NAME)))
+        self.clear_cache()  # memoised scores belong to the weights just replaced
 
     # --- batching -------------------------------------------------------------------------------
     @property
@@ -292,6 +293,7 @@ class ProcessRewardModel(RewardModel):
         return {} if self.prefix is None else {"prefix_cache": self.prefix.stats()}
 
     def clear_cache(self) -> None:
+        """Forget memoised scores: call after the weights change (training, a load)."""
         if self.prefix is not None:
             self.prefix.clear()
 

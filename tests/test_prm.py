@@ -164,6 +164,12 @@ def test_training_lowers_the_loss_and_logs_validation_auc(tiny_hf_model, tmp_pat
     good, bad = trained.score_episodes([Episode("Task: room 99", ["Think: the key.\nAct: take key"], ["ok"]),
                                         Episode("Task: room 99", ["Think: hmm.\nAct: look"], ["dark"])])
     assert good[0] > 0.5 > bad[0]
+    # each validation scores the weights of its step, not scores memoised by an earlier one
+    from train.prm import evaluate, split_rows
+
+    fresh = evaluate(trained, split_rows(_rows(12), 0.25)[1])
+    assert vals[0]["val_bce"] != vals[-1]["val_bce"]
+    assert fresh["bce"] == pytest.approx(vals[-1]["val_bce"], abs=1e-3)
 
 
 def test_train_command_reports_bad_label_data_as_file_row(tiny_hf_model, tmp_path, capsys):

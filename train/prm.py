@@ -218,6 +218,7 @@ def build(cfg: PRMConfig, rows: list[dict[str, Any]]) -> tuple[Runner, Any, list
 def _validate(runner: Runner, prm: Any, val_rows: list[dict], cfg: PRMConfig) -> dict[str, Any]:
     if not val_rows:
         return {}
+    prm.clear_cache()  # scores memoised by an earlier validation are the old weights' scores
     with runner.autocast():
         m = evaluate(prm, val_rows, cfg.threshold)
     runner.model.train()
