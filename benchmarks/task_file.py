@@ -7,8 +7,8 @@ the puzzles keep-best decides on).
         --skip-last 100 --out runs/ei/tasks.jsonl
 
 A split with knobs (``train:level=1``) is its own seeded stream, which can hold puzzles of the
-plain split's dev slice: ``--exclude-last train:100`` leaves those out by puzzle (the task's
-data, not its id), and ``--exclude-file`` leaves out the puzzles of an earlier task file.
+plain split's dev slice: ``--exclude-last train:100`` leaves those out by puzzle (the loop's
+``puzzle_key``, not the id), and ``--exclude-file`` leaves out the puzzles of an earlier task file.
 
     python benchmarks/task_file.py --env countdown --split train:level=1 --level 1:400 \\
         --exclude-last train:100 --exclude-file runs/ei/tasks.jsonl --out runs/ei2/tasks.jsonl
@@ -37,25 +37,22 @@ def level_counts(specs: list[str]) -> dict[int, int]:
     return out
 
 
-def puzzle_key(data: dict) -> str:
-    """What makes two tasks the same puzzle: their data, whatever their ids or streams."""
-    return json.dumps(data, sort_keys=True)
+def held_tasks(cls, last: list[str], files: list[str]) -> list:
+    """The tasks whose puzzles stay out: each ``SPLIT:N``'s last N tasks and each task file's."""
+    from train.loop_select import dev_slice
 
-
-def excluded_puzzles(cls, last: list[str], files: list[str]) -> set[str]:
-    """Puzzle keys of each ``SPLIT:N`` (the split's last N tasks) and of each task file."""
-    keys = set()
+    held = []
     for spec in last:
         split, sep, count = spec.rpartition(":")
         if not (sep and split and count.isdigit()):
             raise SystemExit(f"task_file: --exclude-last takes SPLIT:N, e.g. train:100 (got {spec!r})")
-        keys |= {puzzle_key(t.data) for t in cls.tasks(split)[-int(count):]}
+        held += dev_slice(cls.tasks(split), int(count))
     for path in files:
         try:
-            keys |= {puzzle_key(t.data) for t in cls.load_tasks(path)}
+            held += cls.load_tasks(path)
         except (OSError, ValueError) as exc:
             raise SystemExit(f"task_file: cannot read --exclude-file {path}: {exc}")
-    return keys
+    return held
 
 
 def main() -> None:
@@ -74,20 +71,18 @@ def main() -> None:
 
     from omrl_search.env import env_class
     from omrl_search.outdir import write_file_atomic
+    from train.loop_select import without
 
     cls = env_class(args.env)
     tasks = cls.tasks(args.split)
     pool = tasks[:len(tasks) - args.skip_last] if args.skip_last else tasks
-    avoid = excluded_puzzles(cls, args.exclude_last, args.exclude_file)
-    pool = [t for t in pool if puzzle_key(t.data) not in avoid]
-    chosen = list(pool)
-    if args.level:
-        chosen = []
-        for level, n in sorted(level_counts(args.level).items()):
-            picked = [t for t in pool if t.data.get("level") == level][:n]
-            if len(picked) < n:
-                print(f"task_file: level {level} has {len(picked)} tasks, not {n}", file=sys.stderr)
-            chosen += picked
+    pool = without(pool, held_tasks(cls, args.exclude_last, args.exclude_file))  # by puzzle, not id
+    chosen = [] if args.level else pool
+    for level, n in sorted(level_counts(args.level).items()):
+        picked = [t for t in pool if t.data.get("level") == level][:n]
+        if len(picked) < n:
+            print(f"task_file: level {level} has {len(picked)} tasks, not {n}", file=sys.stderr)
+        chosen += picked
     rows = [{"task_id": t.task_id, "split": t.split, **t.data} for t in chosen]
     for row in rows:
         try:
