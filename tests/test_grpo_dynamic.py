@@ -110,3 +110,25 @@ def test_offline_grpo_drops_and_counts_flat_groups(tiny_agent_model, tmp_path):
     assert all(m["groups_flat"] == flat for m in _metrics(tmp_path / "o"))
     keep = grpo.build(cfg.model_copy(update={"dynamic_sampling": False, "out": str(tmp_path / "p")}))
     assert len(keep.source.examples) == 3 * len(groups) and not keep.source.stats
+
+
+@pytest.mark.parametrize("agent", ["react", "act"])
+def test_online_samples_are_written_in_the_agent_format_asked(tiny_agent_model, tmp_path, agent):
+    """``online.agent`` reaches the live model's searches: an ``act``-trained model is sampled
+    with the act prompt and its rows' prompts carry it (the default stays ``react``)."""
+    online = {"env": "countdown", "tasks_per_round": 2, "strategy": "best_of_n:n=2", "constrain": "actions",
+              "max_tokens": 12, "max_depth": 1}
+    if agent == "act":
+        online["agent"] = "act"
+    cfg = grpo.GRPOConfig(model=tiny_agent_model, out=str(tmp_path / "o"), lr=1e-3, max_steps=1,
+                          progress=False, dynamic_sampling=False, online=online)
+    assert cfg.online.agent == agent
+    runner = grpo.build(cfg)
+    rows, results = runner.source._sample_pass(runner, offset=0)
+    assert rows and len(results) == 2
+    system = om.agent.make_format(agent).system
+    other = om.agent.make_format("act" if agent == "react" else "react").system
+    prompts = [row["prompt"][0]["content"] for row in grpo_rows(results)]
+    assert prompts and all(p == system for p in prompts) and system != other
+    text = runner.source.tok.decode(rows[0].input_ids)
+    assert system in text and other not in text  # the trained ids carry the same prompt

@@ -72,6 +72,8 @@ class OnlineSettings(BaseModel):
     tasks_per_round: int = Field(4, ge=1)
     steps_per_round: int = Field(1, ge=1)
     unit: Literal["trajectory", "step"] = "trajectory"
+    # the agent format the samples are written in: the one the model was trained on
+    agent: Literal["react", "act"] = "react"
     temperature: float = Field(1.0, ge=0)
     max_tokens: int = Field(64, ge=1)
     max_depth: int | None = Field(None, ge=1)
@@ -294,7 +296,7 @@ class RolloutSource:
 
         on = self.on
         search = dict(strategy=on.strategy, budget=on.budget, seed=seed, max_depth=on.max_depth,
-                      constrain=on.constrain,
+                      constrain=on.constrain, agent=on.agent,
                       sampling=SamplingParams(temperature=on.temperature, max_tokens=on.max_tokens))
         if self.remote:
             self.version = runner.policy_version
