@@ -169,6 +169,12 @@ class ActFormat(ReActFormat):
 AGENT_FORMATS = {"react": ReActFormat, "act": ActFormat}
 
 
+def check_agent_name(name: str) -> str:
+    """``name`` if it names an agent format (for config fields; a typo fails with the known names)."""
+    make_format(name)
+    return name
+
+
 def make_format(name: "str | ReActFormat | None") -> ReActFormat:
     """The agent format named ``name`` (``react`` | ``act``), or ``name`` itself if already one."""
     if name is None:

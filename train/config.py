@@ -7,15 +7,21 @@ values fail with one line naming the file and key. Trainers subclass :class:`Tra
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator, Literal, Sequence, TypeVar
+from typing import Annotated, Any, Iterator, Literal, Sequence, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from omrl_search.agent import check_agent_name
 
 M = TypeVar("M", bound=BaseModel)
 
 
 class TrainError(Exception):
     """A bad config, data file or checkpoint; printed as one line by ``omrl train``."""
+
+
+#: a config field naming an agent format of :data:`omrl_search.agent.AGENT_FORMATS` (react, act)
+AgentName = Annotated[str, AfterValidator(check_agent_name)]
 
 
 # --- configuration -----------------------------------------------------------------------------

@@ -57,6 +57,7 @@ from omrl_search.executors import parse_executor
 
 from .common import (AdvantageName, AggregationName, PolicyConfig, Reference, grammar_masks,
                      layout_collate, make_builder, pad_id, policy_logprobs)
+from .config import AgentName
 from .data import RowBuilder, TokenRow, load_grpo
 from .losses import ADVANTAGES, clip_policy_loss
 from .runtime import ListSource, Runner, TrainError, is_peft, load_model, resolve_model_path
@@ -72,8 +73,7 @@ class OnlineSettings(BaseModel):
     tasks_per_round: int = Field(4, ge=1)
     steps_per_round: int = Field(1, ge=1)
     unit: Literal["trajectory", "step"] = "trajectory"
-    # the agent format the samples are written in: the one the model was trained on
-    agent: Literal["react", "act"] = "react"
+    agent: AgentName = "react"  # the format the samples are written in: the model's own
     temperature: float = Field(1.0, ge=0)
     max_tokens: int = Field(64, ge=1)
     max_depth: int | None = Field(None, ge=1)

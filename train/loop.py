@@ -30,7 +30,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -43,7 +43,7 @@ from omrl_search.result import write_text_atomic
 from omrl_search.strategy import make_strategy
 
 from . import loop_stages as st
-from .config import TrainError, settings_from_sources
+from .config import AgentName, TrainError, settings_from_sources
 from .loop_curriculum import CurriculumSettings, check_levels
 from .loop_stages import TRAINERS, TaskSets
 
@@ -64,7 +64,7 @@ class LoopConfig(BaseModel):
     temperature: float = Field(1.0, ge=0)
     # the agent format of every search, eval and demonstration (omrl_search.agent): react
     # (Think line, then Act) or act (the Act line alone: a few tokens a step)
-    agent: Literal["react", "act"] = "react"
+    agent: AgentName = "react"
     # search on the train split (without the dev slice's puzzles)
     train_limit: int = Field(64, ge=1)
     search_strategy: str = "best_of_n:n=4"
