@@ -86,26 +86,29 @@ def main() -> None:
     import omrl_search as om
     from omrl_search.bench import bench
     from omrl_search.policy import make_policy
-    from omrl_search.stats import fmt_paired, fmt_rate, mcnemar, rate
+    from omrl_search.stats import fmt_paired, fmt_rate, mcnemar
+    from paired_runs import load  # this folder's reader of a bench's outcomes.jsonl
 
     policy = make_policy(args.policy)
     short = om.load_tasks(args.env, args.split, args.limit)
     runs = {"short": short, "long": long_tasks(short, args.env, long_env(args.env))}
     report: dict = {"env": args.env, "tasks": len(short), "policy": args.policy, "runs": {}}
     outcomes: dict[str, dict[str, bool]] = {}
+    rate_keys = ("tasks", "successes", "success_rate", "ci_low", "ci_high")
     for name, tasks in runs.items():
         n_prompt = first_prompt_tokens(tasks[0], policy, args.agent)
         summary = bench(tasks, args.strategy, args.budget, policy=policy, seed=args.seed,
                         max_tokens=args.max_tokens, temperature=args.temperature, agent=args.agent,
                         out=Path(args.out) / name, progress=False)
-        rows = [json.loads(line) for line in open(Path(args.out) / name / "outcomes.jsonl")]
-        outcomes[name] = {r["task_id"]: bool(r["success"]) for r in rows}
-        row = rate(sum(outcomes[name].values()), len(rows))
-        per_task = {k: round(sum(r["spent"].get(k, 0) for r in rows) / len(rows), 1)
-                    for k in ("tokens", "prompt_tokens", "lm_calls")}
-        report["runs"][name] = {**row, "first_prompt_tokens": n_prompt, "per_task": per_task}
+        (by_budget,) = summary["strategies"].values()  # one strategy, one budget
+        (row,) = by_budget.values()
+        outcomes[name] = load(str(Path(args.out) / name / "outcomes.jsonl"))[1]
+        totals = {"tokens": row["prompt_tokens"] + row["completion_tokens"],
+                  "prompt_tokens": row["prompt_tokens"], "lm_calls": row["lm_calls"]}
+        per_task = {k: round(v / row["tasks"], 1) for k, v in totals.items()}
+        report["runs"][name] = {**{k: row[k] for k in rate_keys}, "first_prompt_tokens": n_prompt,
+                                "per_task": per_task}
         print(f"{name:5s} first prompt {n_prompt} tokens  {fmt_rate(row)}  per task: {per_task}", flush=True)
-        del summary
     test = mcnemar(outcomes["short"], outcomes["long"])
     report["paired"] = test
     print(f"long vs short on {test['tasks']} tasks: {fmt_paired(test)}")
