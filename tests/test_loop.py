@@ -236,3 +236,47 @@ def test_prm_demos_false_labels_the_search_trees_without_the_solver_demonstratio
         counts[demos] = sum(r["strategy"].startswith("react") for r in rows), len(rows)
     assert counts[True][0] == 3 and counts[False][0] == 0  # the demos: three react rows, or none
     assert counts[True][1] - 3 == counts[False][1] > 0     # the search's own rows either way
+
+
+def test_online_grpo_samples_the_chosen_levels_and_never_a_dev_puzzle(tiny_agent_model, tmp_path,
+                                                                       monkeypatch):
+    """``trainer_settings.grpo.online``: the loop's GRPO samples its own groups with the policy
+    it trains, from the curriculum's chosen levels without the dev slice's puzzles, in the run's
+    agent format; the exported groups are not read."""
+    import omrl_search as om
+    from train.loop import LoopConfig
+    from train.loop_select import puzzle_key
+    from train.loop_stages import TaskSets, online_grpo, online_settings, train_stage, train_tasks
+
+    online = {"strategy": "best_of_n:n=2", "tasks_per_round": 2, "constrain": "none", "max_depth": 1,
+              "max_tokens": 6}
+    cfg = LoopConfig(env="countdown", policy=tiny_agent_model, agent="act", dev_limit=50, prm=False,
+                     progress=False, out=str(tmp_path), max_tokens=16, temperature=0.7,
+                     curriculum={"levels": [1, 2, 3]},
+                     trainer_settings={"grpo": {"max_steps": 2, "lr": 1e-3, "save_every": 0,
+                                                "dynamic_sampling": False, "online": online}})
+    assert online_grpo(cfg) and not online_grpo(LoopConfig())
+    sets = TaskSets(cfg)
+    tasks = train_tasks(cfg, sets, {"chosen": ["2"]})
+    dev = {puzzle_key(t) for t in sets.dev}
+    assert tasks and {t.data["level"] for t in tasks} == {2} and not dev & {puzzle_key(t) for t in tasks}
+    assert train_tasks(cfg, sets, None) == list(sets.pool)
+    settings = online_settings(cfg, tasks)
+    assert (settings["env"], settings["agent"], settings["temperature"], settings["max_tokens"]) == \
+        ("countdown", "act", 0.7, 6)  # the run's format and temperature; the stage's own token cap
+    sampled = []
+    search_many = om.search_many
+
+    def recording(tasks, **kw):
+        sampled.extend(tasks)
+        assert kw["agent"] == "act"
+        return search_many(tasks, **kw)
+
+    monkeypatch.setattr(om, "search_many", recording)
+    d = tmp_path / "train_grpo.partial"
+    d.mkdir()
+    info = train_stage(cfg, 3, "grpo", tiny_agent_model, tasks)(d)  # round 3 has no data stage
+    assert info["step"] == 2 and "skipped" not in info, info
+    assert len(sampled) == 4 and {t.task_id for t in sampled} <= {t.task_id for t in tasks}
+    assert "rollout_rows" in (d / "model" / "metrics.jsonl").read_text()
+    assert train_stage(cfg, 3, "grpo", tiny_agent_model, ())(tmp_path / "x")["skipped"]

@@ -316,6 +316,21 @@ def test_online_grpo_samples_with_the_live_policy(model_dir, tmp_path):
     assert torch.allclose(lp[m], batch["old_logprobs"][m], atol=1e-4)
 
 
+def test_online_tasks_replace_the_split_and_must_be_the_envs(model_dir, tmp_path):
+    """``online.tasks`` (task records) is what online GRPO samples instead of ``online.split``;
+    a task of another env is one error line before anything is sampled."""
+    import omrl_search as om
+
+    tasks = om.load_tasks("countdown", "train:level=3", 3)
+    cfg = grpo.GRPOConfig(model=model_dir, out=str(tmp_path / "o"), max_steps=1, progress=False,
+                          online={"env": "countdown", "tasks": tasks})
+    assert sorted(t.task_id for t in grpo.build(cfg).source.tasks) == sorted(t.task_id for t in tasks)
+    bad = grpo.GRPOConfig(model=model_dir, out=str(tmp_path / "b"), max_steps=1, progress=False,
+                          online={"env": "countdown", "tasks": om.load_tasks("game24", "train", 1)})
+    with pytest.raises(TrainError, match="online.tasks: a 'game24' task for online.env 'countdown'"):
+        grpo.build(bad)
+
+
 # --- config, CLI and bad data ------------------------------------------------------------------------------
 def test_config_from_yaml_and_overrides(tmp_path):
     y = tmp_path / "c.yaml"

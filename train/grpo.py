@@ -54,6 +54,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from omrl_search.executors import parse_executor
+from omrl_search.types import Task
 
 from .common import (AdvantageName, AggregationName, PolicyConfig, Reference, grammar_masks,
                      layout_collate, make_builder, pad_id, policy_logprobs)
@@ -69,6 +70,9 @@ class OnlineSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
     env: str = "game24"
     split: str = "train"
+    # the tasks to sample instead of ``split``'s (task records, as results.jsonl writes them):
+    # the loop passes its curriculum's chosen levels without the dev slice's puzzles
+    tasks: list[Task] | None = None
     strategy: str = "best_of_n:n=4"  # any strategy; best_of_n gives one group per task
     tasks_per_round: int = Field(4, ge=1)
     steps_per_round: int = Field(1, ge=1)
@@ -379,9 +383,13 @@ def make_source(cfg: GRPOConfig, model: Any, tok: Any) -> tuple[Any, int | None]
     from omrl_search.api import load_tasks
 
     try:
-        tasks = load_tasks(cfg.online.env, cfg.online.split)
+        tasks = list(cfg.online.tasks) if cfg.online.tasks is not None else \
+            load_tasks(cfg.online.env, cfg.online.split)
     except (KeyError, ValueError) as exc:
         raise TrainError(f"online.env/split: {exc.args[0]}") from None
+    other = next((t.env for t in tasks if t.env != cfg.online.env), None)
+    if other is not None:
+        raise TrainError(f"online.tasks: a {other!r} task for online.env {cfg.online.env!r}")
     if not tasks:
         raise TrainError(f"env {cfg.online.env!r} has no {cfg.online.split!r} tasks")
     random.Random(cfg.seed).shuffle(tasks)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import omrl_search as om
 from omrl_search.bench import bench
@@ -207,17 +207,53 @@ def run_trainer(kind: str, settings: dict[str, Any]) -> str:
     return str(out)
 
 
-def train_stage(cfg: "LoopConfig", r: int, kind: str, model: str):
-    """One trainer from the current policy; the model path is where the stage ends up."""
+def online_grpo(cfg: "LoopConfig") -> bool:
+    """Whether the loop's GRPO samples its own groups (``trainer_settings.grpo.online`` set, even
+    to ``{}``) rather than training on the round's exported groups."""
+    return (cfg.trainer_settings.get("grpo") or {}).get("online") is not None
+
+
+def train_tasks(cfg: "LoopConfig", sets: TaskSets, plan: dict[str, Any] | None) -> list[Task]:
+    """The train tasks online GRPO samples from: the curriculum's chosen levels (``plan``), else
+    the pool; never a dev-slice puzzle."""
+    if plan is None:
+        return list(sets.pool)
+    names, tasks = cfg.curriculum.names(), []
+    for name in plan["chosen"]:
+        tasks += curriculum.level_tasks(cfg.env, cfg.curriculum, cfg.curriculum.levels[names.index(name)],
+                                        sets.dev)
+    check_disjoint(tasks, sets.dev)
+    return tasks
+
+
+def online_settings(cfg: "LoopConfig", tasks: Sequence[Task]) -> dict[str, Any]:
+    """Online GRPO's ``online`` settings in the loop: the run's agent format, tokens a step and
+    temperature unless ``trainer_settings.grpo.online`` says otherwise, and always the run's
+    env and ``tasks``."""
+    mine = {"agent": cfg.agent, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature}
+    return {**mine, **cfg.trainer_settings["grpo"]["online"], "env": cfg.env, "tasks": list(tasks)}
+
+
+def train_stage(cfg: "LoopConfig", r: int, kind: str, model: str, tasks: Sequence[Task] = ()):
+    """One trainer from the current policy; the model path is where the stage ends up. Online
+    GRPO (:func:`online_grpo`) samples ``tasks`` with the policy it trains, so flat groups are
+    replaced by new ones (dynamic sampling) instead of only dropped."""
     def run(d: Path) -> dict[str, Any]:
-        path = cfg_path(cfg, r, "data") / f"{kind}.parquet"
-        if not path.exists():
-            return {"trainer": kind, "from": model, "skipped": "no rows exported"}
-        if kind == "grpo" and all_groups_flat(path):
-            return {"trainer": kind, "from": model, "skipped": "every group's rewards are equal (no signal)"}
-        settings = {**cfg.trainer_settings.get(kind, {}), "model": model, "data": [str(path)],
+        settings = {**cfg.trainer_settings.get(kind, {}), "model": model,
                     "out": str(d / "model"), "seed": cfg.seed + r, "save_every": cfg.save_every,
                     "resume": True, "progress": cfg.progress}
+        if kind == "grpo" and online_grpo(cfg):
+            if not tasks:
+                return {"trainer": kind, "from": model, "skipped": "no train tasks to sample"}
+            settings["online"] = online_settings(cfg, tasks)
+        else:
+            path = cfg_path(cfg, r, "data") / f"{kind}.parquet"
+            if not path.exists():
+                return {"trainer": kind, "from": model, "skipped": "no rows exported"}
+            if kind == "grpo" and all_groups_flat(path):
+                return {"trainer": kind, "from": model,
+                        "skipped": "every group's rewards are equal (no signal)"}
+            settings["data"] = [str(path)]
         trained = run_trainer(kind, settings)
         final = cfg_path(cfg, r, f"train_{kind}") / "model"
         model_out = str(final) if Path(trained) == d / "model" else trained
