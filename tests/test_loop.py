@@ -275,8 +275,8 @@ def test_online_grpo_samples_the_chosen_levels_and_never_a_dev_puzzle(tiny_agent
     monkeypatch.setattr(om, "search_many", recording)
     d = tmp_path / "train_grpo.partial"
     d.mkdir()
-    info = train_stage(cfg, 3, "grpo", tiny_agent_model, tasks)(d)  # round 3 has no data stage
+    info = train_stage(cfg, 3, "grpo", tiny_agent_model, sets, {"chosen": ["2"]})(d)  # no data stage
     assert info["step"] == 2 and "skipped" not in info, info
     assert len(sampled) == 4 and {t.task_id for t in sampled} <= {t.task_id for t in tasks}
     assert "rollout_rows" in (d / "model" / "metrics.jsonl").read_text()
-    assert train_stage(cfg, 3, "grpo", tiny_agent_model, ())(tmp_path / "x")["skipped"]
+    assert train_stage(cfg, 3, "grpo", tiny_agent_model, sets, {"chosen": []})(tmp_path / "x")["skipped"]

@@ -252,8 +252,7 @@ def run_loop(cfg: LoopConfig) -> dict[str, Any]:
         info["data"] = run.stage(f"round_{r}/data", st.data_stage(cfg, r))
         info["stages"] = []
         for kind in cfg.trainers(r):
-            tasks = st.train_tasks(cfg, sets, plan) if kind == "grpo" and st.online_grpo(cfg) else ()
-            train = run.stage(f"round_{r}/train_{kind}", st.train_stage(cfg, r, kind, track.current, tasks))
+            train = run.stage(f"round_{r}/train_{kind}", st.train_stage(cfg, r, kind, track.current, sets, plan))
             dev = None
             if "skipped" not in train and cfg.dev_limit:
                 dev = run.stage(f"round_{r}/dev_{kind}", st.dev_stage(cfg, sets, train["model"], track.best["dev"]))

@@ -218,12 +218,8 @@ def train_tasks(cfg: "LoopConfig", sets: TaskSets, plan: dict[str, Any] | None) 
     the pool; never a dev-slice puzzle."""
     if plan is None:
         return list(sets.pool)
-    names, tasks = cfg.curriculum.names(), []
-    for name in plan["chosen"]:
-        tasks += curriculum.level_tasks(cfg.env, cfg.curriculum, cfg.curriculum.levels[names.index(name)],
-                                        sets.dev)
-    check_disjoint(tasks, sets.dev)
-    return tasks
+    return [t for name in plan["chosen"]
+            for t in curriculum.level_tasks(cfg.env, cfg.curriculum, name, sets.dev)]
 
 
 def online_settings(cfg: "LoopConfig", tasks: Sequence[Task]) -> dict[str, Any]:
@@ -234,15 +230,17 @@ def online_settings(cfg: "LoopConfig", tasks: Sequence[Task]) -> dict[str, Any]:
     return {**mine, **cfg.trainer_settings["grpo"]["online"], "env": cfg.env, "tasks": list(tasks)}
 
 
-def train_stage(cfg: "LoopConfig", r: int, kind: str, model: str, tasks: Sequence[Task] = ()):
+def train_stage(cfg: "LoopConfig", r: int, kind: str, model: str, sets: TaskSets | None = None,
+                plan: dict[str, Any] | None = None):
     """One trainer from the current policy; the model path is where the stage ends up. Online
-    GRPO (:func:`online_grpo`) samples ``tasks`` with the policy it trains, so flat groups are
-    replaced by new ones (dynamic sampling) instead of only dropped."""
+    GRPO (:func:`online_grpo`) samples :func:`train_tasks` (``sets``, ``plan``) with the policy it
+    trains, so flat groups are replaced by new ones (dynamic sampling) instead of only dropped."""
     def run(d: Path) -> dict[str, Any]:
         settings = {**cfg.trainer_settings.get(kind, {}), "model": model,
                     "out": str(d / "model"), "seed": cfg.seed + r, "save_every": cfg.save_every,
                     "resume": True, "progress": cfg.progress}
         if kind == "grpo" and online_grpo(cfg):
+            tasks = train_tasks(cfg, sets, plan)
             if not tasks:
                 return {"trainer": kind, "from": model, "skipped": "no train tasks to sample"}
             settings["online"] = online_settings(cfg, tasks)
