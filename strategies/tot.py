@@ -198,9 +198,12 @@ class TreeOfThoughts(Strategy):
                 continue  # a dead end: backtrack
             kids, vals = await self._step(ctx, propose, value, [s])
             remember(ctx, kids, vals)
-            good = [i for i, v in enumerate(vals) if v >= self.threshold]
-            for i in sorted(set(range(len(kids))) - set(good)):
-                kids[i].status, kids[i].error = PRUNED, "below the value threshold"
+            good = []
+            for i, v in enumerate(vals):
+                if v >= self.threshold:
+                    good.append(i)
+                else:
+                    kids[i].status, kids[i].error = PRUNED, "below the value threshold"
             stack += [kids[i] for i in sorted(good, key=lambda i: (vals[i], -i))]  # best on top
 
     def select(self, ctx):

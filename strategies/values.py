@@ -54,25 +54,26 @@ class ValueSource:
     async def __call__(self, ctx, nodes: Sequence[Node]) -> list[float]:
         cache = ctx.scratch.setdefault(("value", self.name), {})
         key = self.cache_key(ctx)
-        last = self.agg == "last"  # each node's own value: no path to walk
-        paths = None if last else [ctx.tree.path(n)[1:] for n in nodes]
-        keys: dict[int, Any] = {}  # each node's cache key, made once (a prompt key renders it)
-        todo: dict[Any, Node] = {}
-        for n in nodes if last else chain.from_iterable(paths):
-            if n.id not in keys:
-                k = keys[n.id] = None if n.status == FAILED else key(n)
+        todo: dict[Any, Node] = {}  # the first node of each key not yet valued, in order
+        if self.agg == "last":  # each node's own value: no path to walk
+            keys = [None if n.status == FAILED else key(n) for n in nodes]
+            for k, n in zip(keys, nodes):
+                if k is not None and k not in cache and k not in todo:
+                    todo[k] = n
+            if todo:
+                cache.update(zip(todo, await self.step_values(ctx, list(todo.values()))))
+            return [0.0 if k is None else cache[k] for k in keys]
+        paths = [ctx.tree.path(n)[1:] for n in nodes]
+        by_id: dict[int, Any] = {}  # each node's cache key, made once (a prompt key renders it)
+        for n in chain.from_iterable(paths):
+            if n.id not in by_id:
+                k = by_id[n.id] = None if n.status == FAILED else key(n)
                 if k is not None and k not in cache:
                     todo.setdefault(k, n)
         if todo:
             cache.update(zip(todo, await self.step_values(ctx, list(todo.values()))))
-
-        def value(n: Node) -> float:
-            k = keys[n.id]
-            return 0.0 if k is None else cache[k]
-
-        if last:
-            return [value(n) for n in nodes]
-        return [aggregate([value(n) for n in p], self.agg) for p in paths]
+        return [aggregate([0.0 if (k := by_id[n.id]) is None else cache[k] for n in p], self.agg)
+                for p in paths]
 
     async def step_values(self, ctx, nodes: list[Node]) -> list[float]:  # pragma: no cover
         raise NotImplementedError

@@ -101,6 +101,37 @@ def test_value_sources_reduce_each_path_by_agg(agg):
     assert done.value.value == want
 
 
+def test_a_value_source_values_each_key_once_in_first_seen_order():
+    """``agg=last``: one ``step_values`` call per batch with the first node of each key not yet
+    cached, in the order met; repeats read the cache; a failed node is 0 and never asked."""
+    from omrl_search.tree import FAILED, Node
+    from strategies.values import ValueSource
+
+    asked = []
+
+    class ByState(ValueSource):
+        name, by_state = "probe", True
+
+        async def step_values(self, ctx, nodes):
+            asked.append([n.id for n in nodes])
+            return [float(n.id) for n in nodes]
+
+    def node(i, key, status="open"):
+        return Node(i, 0, 1, "", state_key=key, status=status)
+
+    def run(source, ctx, nodes):
+        with pytest.raises(StopIteration) as done:
+            source(ctx, nodes).send(None)
+        return done.value.value
+
+    ctx, source = SimpleNamespace(scratch={}), ByState()
+    first = [node(1, "x"), node(2, "y"), node(3, "x"), node(4, "z", FAILED), node(5, "y")]
+    assert run(source, ctx, first) == [1.0, 2.0, 1.0, 0.0, 2.0]
+    assert asked == [[1, 2]]
+    assert run(source, ctx, [node(6, "w"), node(7, "x"), node(8, "w")]) == [6.0, 1.0, 6.0]
+    assert asked == [[1, 2], [6]]
+
+
 # --- the engine's per-node fast paths (issue 18) --------------------------------------------------
 def test_rendered_completions_parse_as_the_regexes_parse_them():
     """``ReActFormat.parse`` skips its regexes for text in the exact rendered form; on texts
