@@ -21,6 +21,15 @@ the final tree), the policy by its own clock (omrl) or by replaying every ``Sear
 (``get_actions``, ``fast_reward``, ``reward``) the search made (plain llm-reasoners rows). What
 is left is "overhead": omrl's engine + strategy code, or llm-reasoners' MCTS code.
 
+The ``*_in_search`` columns subtract instead what the env and the policy cost where they ran:
+both sides step ``engine_overhead.TimedGame24Env``, which times its own ``reset``, ``step`` and
+``snapshot`` with ``perf_counter`` (the reference's world model times its ``restore`` too; the
+engine sets a value snapshot's state itself), and the zero-cost policy and the plain hooks time
+themselves the same way. A replay runs on warm caches, so it charges the env less than the
+search paid and leaves the rest in "overhead", on both sides alike but not by equal amounts;
+the in-search figures have no such gap, but mix wall-clock parts into a CPU-time total, so
+they are meant for a quiet machine.
+
 The ``llm-reasoners + agent hooks`` row is the library as an LLM agent uses it: its state
 carries the path's text (first observation, then each turn's completion and observation);
 ``get_actions`` renders the chat for it with our ``ReActFormat`` and the policy's
@@ -124,7 +133,7 @@ def make_hooks():
 
         def __init__(self, task):
             super().__init__()
-            self.task, self.env = task, Game24Env()
+            self.task, self.env = task, eo.TimedGame24Env()
 
         def init_state(self):
             self.env.reset(self.task)
@@ -132,7 +141,7 @@ def make_hooks():
 
         def step(self, state, action):
             env = self.env
-            env.restore(state)
+            restore(env, state)
             res = env.step(action)
             return env.snapshot(), {"success": res.success}
 
@@ -143,19 +152,41 @@ def make_hooks():
         """k moves by ``engine_overhead.random_move`` from a fresh RNG per call (as the zero-cost
         policy seeds one per request); reward 1 for the step that solves the puzzle."""
 
+        seconds = 0.0  # the hooks' own wall time in the search (the in-search policy share)
+
         def __init__(self, k: int, seed: int):
             super().__init__()
             self.k, self.seed, self.calls = k, seed, 0
 
         def get_actions(self, state):
+            t0 = eo.WALL()
             self.calls += 1
             rng, nums = random.Random(self.seed * 1_000_003 + self.calls), state.payload.numbers
-            return [eo.random_move(rng, nums) for _ in range(self.k)]
+            out = [eo.random_move(rng, nums) for _ in range(self.k)]
+            RandomMoves.seconds += eo.WALL() - t0
+            return out
+
+        def fast_reward(self, state, action):
+            t0 = eo.WALL()
+            out = super().fast_reward(state, action)
+            RandomMoves.seconds += eo.WALL() - t0
+            return out
 
         def reward(self, state, action, success=False, **_):
-            return (1.0 if success else 0.0), {}
+            t0 = eo.WALL()
+            out = (1.0 if success else 0.0), {}
+            RandomMoves.seconds += eo.WALL() - t0
+            return out
 
     return Game24World, RandomMoves
+
+
+def restore(env, state) -> None:
+    """``env.restore(state)``, its wall time added to the timed env's total (the reference
+    restores through the env's API; the engine sets a value snapshot's state itself)."""
+    t0 = eo.WALL()
+    env.restore(state)
+    eo.TimedGame24Env.seconds += eo.WALL() - t0
 
 
 class AgentState(NamedTuple):
@@ -185,7 +216,7 @@ def make_agent_hooks(policy: eo.ZeroCostPolicy):
     class AgentWorld(WorldModel):
         def __init__(self, task):
             super().__init__()
-            self.task, self.env = task, Game24Env()
+            self.task, self.env = task, eo.TimedGame24Env()
 
         def init_state(self):
             first = self.env.reset(self.task)
@@ -196,7 +227,7 @@ def make_agent_hooks(policy: eo.ZeroCostPolicy):
             if parsed.error:  # a malformed completion: the error is the observation
                 return state._replace(turns=state.turns + ((completion, parsed.error),)), {}
             env = self.env
-            env.restore(state.snapshot)
+            restore(env, state.snapshot)
             res = env.step(parsed.action)
             turns = state.turns + ((completion, res.observation),)
             return (AgentState(env.snapshot(), state.first, turns),
@@ -355,9 +386,12 @@ def measure_reasoners(algorithm, tasks, simulations: int, k: int, calc_q, agent:
         configs = [config_cls(k, i) for i in range(len(tasks))]
     algo = reasoners_search(algorithm, kind, simulations, calc_q)
     root_of = (lambda out: out.tree_state) if kind != "beam" else (lambda out: out.tree)
+    eo.TimedGame24Env.seconds = config_cls.seconds = 0.0
     t0 = CLOCK()
     trees = [(task, root_of(algo(world_cls(task), config))) for task, config in zip(tasks, configs)]
     cpu = CLOCK() - t0
+    env_in_search = eo.TimedGame24Env.seconds
+    policy_in_search = policy.seconds if agent else config_cls.seconds
     twice = 2 if kind == "dfs" else 1
     env_s = env_replay_seconds(trees, agent, twice)
     policy_s = policy.seconds if agent else hook_replay_seconds(config_cls, k, trees, kind != "dfs")
@@ -366,14 +400,17 @@ def measure_reasoners(algorithm, tasks, simulations: int, k: int, calc_q, agent:
     sims = sum(len(root.cum_rewards) for _, root in trees) if kind == "mcts" else 0
     solved = sum(any(n.state is not None and n.reward > 0 for n in walk(root)) for _, root in trees)
     return row(cpu, env_s, policy_s, nodes, sims, len(all_nodes) - len(trees), solved,
-               nodes * twice)
+               nodes * twice, cpu - env_in_search - policy_in_search)
 
 
 def row(cpu: float, env_s: float, policy_s: float, nodes: int, sims: int, created: int,
-        solved: int, env_steps: int | None = None) -> dict:
+        solved: int, env_steps: int | None = None, over_in_search: float | None = None) -> dict:
     over = cpu - env_s - policy_s
     env_steps = env_steps or nodes
-    return {"nodes": nodes, "children_created": created, "simulations": sims,
+    in_search = {} if over_in_search is None else {
+        "overhead_us_per_node_in_search": round(1e6 * over_in_search / nodes, 2),
+        "overhead_us_per_simulation_in_search": round(1e6 * over_in_search / sims, 2) if sims else "-"}
+    return {**in_search, "nodes": nodes, "children_created": created, "simulations": sims,
             "env_steps": env_steps, "trees_with_success": solved, "cpu_s": round(cpu, 4),
             "env_s": round(env_s, 4), "policy_s": round(policy_s, 4), "overhead_s": round(over, 4),
             "us_per_node": round(1e6 * cpu / nodes, 2),
@@ -389,7 +426,8 @@ def measure_omrl(tasks, simulations: int, kind: str = "mcts") -> dict:
     """``engine_overhead.measure`` on its ``kind`` spec, in this table's terms."""
     r = eo.measure(kind, eo.workloads(simulations)[kind], tasks, profile=False)
     return row(r["cpu_s"], r["env_s"], r["policy_s"], r["nodes"], r["simulations"] if kind == "mcts" else 0,
-               r["nodes"], r["trees_with_success"], r["env_steps"])
+               r["nodes"], r["trees_with_success"], r["env_steps"],
+               r["cpu_s"] - r["env_in_search_s"] - r["policy_s"])
 
 
 def python_mean(xs):
@@ -441,11 +479,15 @@ def main() -> None:
     rows = {name: min(rs, key=lambda r: r["cpu_s"]) for name, rs in runs.items()}
     for name, r in rows.items():  # each row against our row of the same workload
         kind = next((k for k in KINDS[1:] if name.endswith(f" {k}")), "mcts")
-        ours = rows["omrl-search" + ("" if kind == "mcts" else f" {kind}")]["overhead_us_per_node"]
-        r["overhead_ratio_to_omrl"] = round(r["overhead_us_per_node"] / ours, 1)
+        ours = rows["omrl-search" + ("" if kind == "mcts" else f" {kind}")]
+        r["overhead_ratio_to_omrl"] = round(r["overhead_us_per_node"] / ours["overhead_us_per_node"], 1)
+        r["in_search_ratio_to_omrl"] = round(r["overhead_us_per_node_in_search"]
+                                             / ours["overhead_us_per_node_in_search"], 1)
     cols = ("nodes", "children_created", "simulations", "env_steps", "cpu_s", "us_per_node",
             "env_us_per_node", "policy_us_per_node", "overhead_us_per_node", "overhead_us_per_child",
-            "overhead_us_per_env_step", "overhead_us_per_simulation", "overhead_ratio_to_omrl")
+            "overhead_us_per_env_step", "overhead_us_per_simulation", "overhead_ratio_to_omrl",
+            "overhead_us_per_node_in_search", "overhead_us_per_simulation_in_search",
+            "in_search_ratio_to_omrl")
     print(f"Game24, {args.tasks} tasks, {args.simulations} MCTS simulations, k=3, zero-cost policy, "
           f"fastest of {args.repeat} alternating runs (CPU time); "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average "

@@ -277,3 +277,37 @@ def test_a_policy_that_reads_ids_only_gets_the_same_prompt_ids_and_trees(strateg
     later = [q for q in steps if id(q.meta["snapshot"]) not in roots]
     assert later and all(q.messages == [] for q in later)  # only a root's request has its chat
     assert all(q.messages for batch in chat.batches for q in batch)
+
+
+def test_the_overhead_benchmarks_timed_env_changes_no_search():
+    """``benchmarks/engine_overhead.py``'s in-search env timing (``TimedGame24Env``) grows the
+    same trees as the plain env and charges the env a positive share of the run."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from envs.game24 import Game24Env
+    from omrl_search.engine import Engine
+
+    bench = Path(__file__).resolve().parent.parent / "benchmarks"
+    sys.path.insert(0, str(bench))
+    try:
+        spec = importlib.util.spec_from_file_location("engine_overhead", bench / "engine_overhead.py")
+        eo = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(eo)
+    finally:
+        sys.path.remove(str(bench))
+    tasks = om.load_tasks("game24", "test", limit=4)
+    strategy = "tot:method=dfs,k=3,evaluator=logprob"
+
+    def trees(env_cls):
+        results = Engine(eo.ZeroCostPolicy(), seed=0, env_factory=lambda _: env_cls()).run(
+            om.make_strategy(strategy), tasks)
+        return [[(n.parent, n.step.action if n.step else None, n.state_key, n.status)
+                 for n in r.tree.nodes] for r in results]
+
+    eo.TimedGame24Env.seconds = 0.0
+    assert trees(eo.TimedGame24Env) == trees(Game24Env)
+    assert eo.TimedGame24Env.seconds > 0
+    row = eo.measure("dfs", strategy, tasks, profile=False)
+    assert row["env_in_search_s"] > 0 and "engine_us_per_node_in_search" in row
