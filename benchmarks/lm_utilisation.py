@@ -10,7 +10,8 @@ the vLLM venv; a backend that cannot be built is reported and skipped):
 * **searches**: MCTS (``--mcts``, default ``mcts:leaves=4,k=3,value=logprob``: rounds of 4
   leaves x 3 children per tree; rollout values would spend a small budget on one rollout) and
   Tree-of-Thoughts (``--tot``, default ``tot:b=3,k=3,n_evaluate=1``: expansions plus LM
-  self-evaluation, asks of 64 tokens) over the first ``--tasks`` Game24 test tasks searched together (the engine
+  self-evaluation, asks of 64 tokens) over the first ``--tasks`` test tasks of ``--env`` (default Game24; prompts grow with each
+  turn's observation, so an env with longer observations shows more prefill) searched together (the engine
   ``search_many`` runs), each task with the token budget ``--budget``, ``--max-tokens`` new
   tokens per step at temperature 1, seed 0; in these modes (``--modes``):
 
@@ -69,6 +70,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import omrl_search as om  # noqa: E402
 from backend_throughput import requests as peak_requests  # noqa: E402
+from omrl_search.agent import make_format  # noqa: E402
 from omrl_search.engine import Engine  # noqa: E402
 from omrl_search.types import SamplingParams  # noqa: E402
 
@@ -176,7 +178,8 @@ def run_search(metered: Metered, strategy: str, tasks: list, args, mode: str) ->
     streamed = getattr(inner, "streams", False)
     inner.streams = metered.streams  # (vllm: off by default, ``stream=true``)
     inner.clear_cache()  # every run starts cold (Policy.clear_cache)
-    engine = Engine(metered, sampling=SamplingParams(1.0, 1.0, args.max_tokens), seed=0, **options)
+    engine = Engine(metered, sampling=SamplingParams(1.0, 1.0, args.max_tokens), seed=0,
+                    agent_format=make_format(args.agent), **options)
     t0, c0 = time.perf_counter(), time.process_time()
     try:
         results = engine.run(om.make_strategy(strategy), tasks, om.Budget.parse(args.budget),
@@ -219,7 +222,7 @@ def bench_backend(spec: str, args) -> dict:
     policy.generate(peak_requests(policy, 2, 1, seed=0))  # warm-up
     metered = Metered(policy)
     counts_prefill = metered.count_prefill()
-    tasks = om.load_tasks("game24", "test", limit=args.tasks)
+    tasks = om.load_tasks(args.env, "test", limit=args.tasks)
     out: dict = {"max_batch": policy.max_batch, "peak": None, "searches": {}}
     peaks = []
     for rep in range(args.reps):
@@ -302,6 +305,8 @@ def main() -> None:
     ap.add_argument("--modes", default="serial,before,continuous,streaming")
     ap.add_argument("--mcts", default=STRATEGIES["mcts"])
     ap.add_argument("--tot", default=STRATEGIES["tot"])
+    ap.add_argument("--env", default="game24", help="the env whose test tasks are searched")
+    ap.add_argument("--agent", default="react", help="agent format (react, act, ...): act writes the action alone")
     ap.add_argument("--tasks", type=int, default=16)
     ap.add_argument("--serial-tasks", type=int, default=2)
     ap.add_argument("--budget", default="tokens=1000")
@@ -333,7 +338,7 @@ def main() -> None:
                               loadavg_end=[round(x, 2) for x in os.getloadavg()],
                               seconds=round(time.perf_counter() - t0, 1))
     m = figures["machine"]
-    print(f"\nGame24 x {args.tasks} tasks (serial: {args.serial_tasks}), budget {args.budget} per task, "
+    print(f"\n{args.env} x {args.tasks} tasks, agent {args.agent} (serial: {args.serial_tasks}), budget {args.budget} per task, "
           f"max_tokens {args.max_tokens}, T=1, seed 0; peak: {args.peak_prompts} prompts x "
           f"{args.peak_tokens} tokens in one call; best of {args.reps}. {m['cpus']} CPUs ({m['cpu']}), "
           f"{args.threads} threads, load {m['loadavg_start'][0]}->{m['loadavg_end'][0]}, "
