@@ -52,6 +52,17 @@ CLOCK = time.process_time
 WALL = time.perf_counter
 
 
+def _timed(method):
+    """``method`` with its wall time added to ``TimedGame24Env.seconds``."""
+    def timed(self, *args):
+        t0 = WALL()
+        try:
+            return method(self, *args)
+        finally:
+            TimedGame24Env.seconds += WALL() - t0
+    return timed
+
+
 class TimedGame24Env(Game24Env):
     """``Game24Env`` adding the wall time of its ``reset``, ``step`` and ``snapshot`` calls to
     the class total ``seconds``: the env's share as spent inside the search, caches as the
@@ -59,27 +70,9 @@ class TimedGame24Env(Game24Env):
     value snapshot's state itself, and the reference world model times its own restore."""
 
     seconds = 0.0
-
-    def reset(self, task):
-        t0 = WALL()
-        try:
-            return super().reset(task)
-        finally:
-            TimedGame24Env.seconds += WALL() - t0
-
-    def step(self, action):
-        t0 = WALL()
-        try:
-            return super().step(action)
-        finally:
-            TimedGame24Env.seconds += WALL() - t0
-
-    def snapshot(self):
-        t0 = WALL()
-        try:
-            return super().snapshot()
-        finally:
-            TimedGame24Env.seconds += WALL() - t0
+    reset = _timed(Game24Env.reset)
+    step = _timed(Game24Env.step)
+    snapshot = _timed(Game24Env.snapshot)
 
 
 def random_move(rng: random.Random, nums) -> str:
