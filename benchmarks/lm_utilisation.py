@@ -10,10 +10,12 @@ the vLLM venv; a backend that cannot be built is reported and skipped):
 * **searches**: MCTS (``--mcts``, default ``mcts:leaves=4,k=3,value=logprob``: rounds of 4
   leaves x 3 children per tree; rollout values would spend a small budget on one rollout) and
   Tree-of-Thoughts (``--tot``, default ``tot:b=3,k=3,n_evaluate=1``: expansions plus LM
-  self-evaluation, asks of 64 tokens) over the first ``--tasks`` test tasks of ``--env`` (default Game24; prompts grow with each
-  turn's observation, so an env with longer observations shows more prefill) searched together (the engine
-  ``search_many`` runs), each task with the token budget ``--budget``, ``--max-tokens`` new
-  tokens per step at temperature 1, seed 0; in these modes (``--modes``):
+  self-evaluation, asks of 64 tokens) over the first ``--tasks`` test tasks of ``--env``
+  (default Game24; prompts grow by each turn's observation, so an env with longer observations
+  shows more prefill) in the agent format ``--agent`` (default react; ``act`` writes the action
+  alone), searched together (the engine ``search_many`` runs), each task with the token budget
+  ``--budget``, ``--max-tokens`` new tokens per step at temperature 1, seed 0; in these modes
+  (``--modes``):
 
   - ``serial``: one request at a time (concurrency 1, ``max_batch`` 1), on ``--serial-tasks``
     tasks (a rate; running all tasks one by one would take too long);
@@ -306,7 +308,7 @@ def main() -> None:
     ap.add_argument("--mcts", default=STRATEGIES["mcts"])
     ap.add_argument("--tot", default=STRATEGIES["tot"])
     ap.add_argument("--env", default="game24", help="the env whose test tasks are searched")
-    ap.add_argument("--agent", default="react", help="agent format (react, act, ...): act writes the action alone")
+    ap.add_argument("--agent", default="react", help="agent format: react, act (the action alone), ...")
     ap.add_argument("--tasks", type=int, default=16)
     ap.add_argument("--serial-tasks", type=int, default=2)
     ap.add_argument("--budget", default="tokens=1000")
@@ -338,7 +340,8 @@ def main() -> None:
                               loadavg_end=[round(x, 2) for x in os.getloadavg()],
                               seconds=round(time.perf_counter() - t0, 1))
     m = figures["machine"]
-    print(f"\n{args.env} x {args.tasks} tasks, agent {args.agent} (serial: {args.serial_tasks}), budget {args.budget} per task, "
+    print(f"\n{args.env} x {args.tasks} tasks, agent {args.agent} (serial: {args.serial_tasks}), "
+          f"budget {args.budget} per task, "
           f"max_tokens {args.max_tokens}, T=1, seed 0; peak: {args.peak_prompts} prompts x "
           f"{args.peak_tokens} tokens in one call; best of {args.reps}. {m['cpus']} CPUs ({m['cpu']}), "
           f"{args.threads} threads, load {m['loadavg_start'][0]}->{m['loadavg_end'][0]}, "
