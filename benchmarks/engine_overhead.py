@@ -52,15 +52,16 @@ CLOCK = time.process_time
 WALL = time.perf_counter
 
 
-def _timed(method):
-    """``method`` with its wall time added to ``TimedGame24Env.seconds``."""
-    def timed(self, *args):
+def timed(method, holder=None):
+    """``method`` with its wall time added to ``holder.seconds`` (default: the timed env's
+    total, looked up at call time so the class can wrap its own methods)."""
+    def run(*args, **kwargs):
         t0 = WALL()
         try:
-            return method(self, *args)
+            return method(*args, **kwargs)
         finally:
-            TimedGame24Env.seconds += WALL() - t0
-    return timed
+            (holder or TimedGame24Env).seconds += WALL() - t0
+    return run
 
 
 class TimedGame24Env(Game24Env):
@@ -70,9 +71,9 @@ class TimedGame24Env(Game24Env):
     value snapshot's state itself, and the reference world model times its own restore."""
 
     seconds = 0.0
-    reset = _timed(Game24Env.reset)
-    step = _timed(Game24Env.step)
-    snapshot = _timed(Game24Env.snapshot)
+    reset = timed(Game24Env.reset)
+    step = timed(Game24Env.step)
+    snapshot = timed(Game24Env.snapshot)
 
 
 def random_move(rng: random.Random, nums) -> str:

@@ -133,7 +133,7 @@ def make_hooks():
 
         def __init__(self, task):
             super().__init__()
-            self.task, self.env = task, eo.TimedGame24Env()
+            self.task, self.env = task, RefEnv()
 
         def init_state(self):
             self.env.reset(self.task)
@@ -141,7 +141,7 @@ def make_hooks():
 
         def step(self, state, action):
             env = self.env
-            restore(env, state)
+            env.restore(state)
             res = env.step(action)
             return env.snapshot(), {"success": res.success}
 
@@ -159,34 +159,23 @@ def make_hooks():
             self.k, self.seed, self.calls = k, seed, 0
 
         def get_actions(self, state):
-            t0 = eo.WALL()
             self.calls += 1
             rng, nums = random.Random(self.seed * 1_000_003 + self.calls), state.payload.numbers
-            out = [eo.random_move(rng, nums) for _ in range(self.k)]
-            RandomMoves.seconds += eo.WALL() - t0
-            return out
-
-        def fast_reward(self, state, action):
-            t0 = eo.WALL()
-            out = super().fast_reward(state, action)
-            RandomMoves.seconds += eo.WALL() - t0
-            return out
+            return [eo.random_move(rng, nums) for _ in range(self.k)]
 
         def reward(self, state, action, success=False, **_):
-            t0 = eo.WALL()
-            out = (1.0 if success else 0.0), {}
-            RandomMoves.seconds += eo.WALL() - t0
-            return out
+            return (1.0 if success else 0.0), {}
 
+    for hook in ("get_actions", "fast_reward", "reward"):  # each hook times itself
+        setattr(RandomMoves, hook, eo.timed(getattr(RandomMoves, hook), RandomMoves))
     return Game24World, RandomMoves
 
 
-def restore(env, state) -> None:
-    """``env.restore(state)``, its wall time added to the timed env's total (the reference
-    restores through the env's API; the engine sets a value snapshot's state itself)."""
-    t0 = eo.WALL()
-    env.restore(state)
-    eo.TimedGame24Env.seconds += eo.WALL() - t0
+class RefEnv(eo.TimedGame24Env):
+    """The timed env with ``restore`` timed too: the reference restores through the env's API,
+    where the engine sets a value snapshot's state itself."""
+
+    restore = eo.timed(Game24Env.restore)
 
 
 class AgentState(NamedTuple):
@@ -216,7 +205,7 @@ def make_agent_hooks(policy: eo.ZeroCostPolicy):
     class AgentWorld(WorldModel):
         def __init__(self, task):
             super().__init__()
-            self.task, self.env = task, eo.TimedGame24Env()
+            self.task, self.env = task, RefEnv()
 
         def init_state(self):
             first = self.env.reset(self.task)
@@ -227,7 +216,7 @@ def make_agent_hooks(policy: eo.ZeroCostPolicy):
             if parsed.error:  # a malformed completion: the error is the observation
                 return state._replace(turns=state.turns + ((completion, parsed.error),)), {}
             env = self.env
-            restore(env, state.snapshot)
+            env.restore(state.snapshot)
             res = env.step(parsed.action)
             turns = state.turns + ((completion, res.observation),)
             return (AgentState(env.snapshot(), state.first, turns),
@@ -404,13 +393,12 @@ def measure_reasoners(algorithm, tasks, simulations: int, k: int, calc_q, agent:
 
 
 def row(cpu: float, env_s: float, policy_s: float, nodes: int, sims: int, created: int,
-        solved: int, env_steps: int | None = None, over_in_search: float | None = None) -> dict:
+        solved: int, env_steps: int, over_in_search: float) -> dict:
     over = cpu - env_s - policy_s
     env_steps = env_steps or nodes
-    in_search = {} if over_in_search is None else {
-        "overhead_us_per_node_in_search": round(1e6 * over_in_search / nodes, 2),
-        "overhead_us_per_simulation_in_search": round(1e6 * over_in_search / sims, 2) if sims else "-"}
-    return {**in_search, "nodes": nodes, "children_created": created, "simulations": sims,
+    return {"overhead_us_per_node_in_search": round(1e6 * over_in_search / nodes, 2),
+            "overhead_us_per_simulation_in_search": round(1e6 * over_in_search / sims, 2) if sims else "-",
+            "nodes": nodes, "children_created": created, "simulations": sims,
             "env_steps": env_steps, "trees_with_success": solved, "cpu_s": round(cpu, 4),
             "env_s": round(env_s, 4), "policy_s": round(policy_s, 4), "overhead_s": round(over, 4),
             "us_per_node": round(1e6 * cpu / nodes, 2),

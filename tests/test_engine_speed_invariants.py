@@ -283,20 +283,15 @@ def test_the_overhead_benchmarks_timed_env_changes_no_search():
     """``benchmarks/engine_overhead.py``'s in-search env timing (``TimedGame24Env``) grows the
     same trees as the plain env and charges the env a positive share of the run."""
     import importlib.util
-    import sys
     from pathlib import Path
 
     from envs.game24 import Game24Env
     from omrl_search.engine import Engine
 
-    bench = Path(__file__).resolve().parent.parent / "benchmarks"
-    sys.path.insert(0, str(bench))
-    try:
-        spec = importlib.util.spec_from_file_location("engine_overhead", bench / "engine_overhead.py")
-        eo = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(eo)
-    finally:
-        sys.path.remove(str(bench))
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "engine_overhead.py"
+    spec = importlib.util.spec_from_file_location("engine_overhead", path)
+    eo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(eo)
     tasks = om.load_tasks("game24", "test", limit=4)
     strategy = "tot:method=dfs,k=3,evaluator=logprob"
 
