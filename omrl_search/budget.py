@@ -131,18 +131,12 @@ class Budget:
         in it, at most all of it), not on top of them."""
         s = self.spent
         s.prompt_tokens += prompt_tokens
-        if cached_tokens:
-            s.cached_tokens += min(max(int(cached_tokens), 0), max(int(prompt_tokens), 0))
+        s.cached_tokens += min(max(int(cached_tokens), 0), max(int(prompt_tokens), 0))
         s.completion_tokens += completion_tokens
         s.lm_calls += lm_calls
         s.rm_calls += rm_calls
         s.rm_tokens += rm_tokens
         s.env_steps += env_steps
-
-    def charge_env_step(self) -> None:
-        """One env step (the engine's per-node call: ``charge(env_steps=1)`` without the
-        keyword handling)."""
-        self.spent.env_steps += 1
 
     def charge_lm(self, gens: "Sequence[Generation]" = ()) -> None:
         """One request answered by the policy (or failed: no ``gens``): one LM call, its prompt
