@@ -142,14 +142,23 @@ class Budget:
         """One request answered by the policy (or failed: no ``gens``): one LM call, its prompt
         once (the ``n`` samples share it), of which ``cached_tokens`` as the first sample
         reports them, and every sample's completion tokens. The engine charges every request,
-        expansion or ask, through this one place."""
+        expansion or ask, through this one place (the same sums as :meth:`charge`, written out:
+        it runs once per request)."""
+        s = self.spent
+        s.lm_calls += 1
         if gens:
             g = gens[0]
-            self.charge(lm_calls=1, prompt_tokens=g.prompt_tokens,
-                        cached_tokens=getattr(g, "cached_tokens", 0) or 0,
-                        completion_tokens=sum(g.completion_tokens for g in gens))
-        else:
-            self.charge(lm_calls=1)
+            s.prompt_tokens += g.prompt_tokens
+            cached = getattr(g, "cached_tokens", 0)
+            if cached:
+                s.cached_tokens += min(max(int(cached), 0), max(int(g.prompt_tokens), 0))
+            for g in gens:
+                s.completion_tokens += g.completion_tokens
+
+    def charge_env_step(self) -> None:
+        """One env step (the engine's per-node charge: :meth:`charge` ``(env_steps=1)`` without
+        its keyword handling)."""
+        self.spent.env_steps += 1
 
     def deadline(self) -> float | None:
         """The ``time.perf_counter()`` value at which the ``seconds`` limit is reached (None:

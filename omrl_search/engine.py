@@ -373,7 +373,8 @@ class Engine:
             return None
         good, problems = well_formed(gens, n)
         ctx.budget.charge_lm(good)
-        ctx.faults += (f"lm: {p}" for p in problems)
+        if problems:
+            ctx.faults += (f"lm: {p}" for p in problems)
         return good or None
 
     @staticmethod

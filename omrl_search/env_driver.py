@@ -69,7 +69,7 @@ class EnvDriver:
         try:
             self._restore(node)
             res = env.step(step.action)
-            self.budget.charge(env_steps=1)
+            self.budget.charge_env_step()
             snap = env.snapshot()
         except Exception as exc:
             self.at = None

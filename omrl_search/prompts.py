@@ -130,8 +130,8 @@ class Prompts:
         """The step a completion makes and the error text when it is malformed ("" if not):
         a malformed step never reaches the env; the error is its observation."""
         parsed = self.format.parse(gen.text, getattr(self.env, "action_help", ""))
-        step = Step(gen.text, parsed.thought, parsed.action, "", context_ids=context_ids,
-                    completion_ids=gen.token_ids, logprobs=gen.logprobs)
+        step = Step(gen.text, parsed.thought, parsed.action, "", 0.0, False, True, False,
+                    context_ids, gen.token_ids, gen.logprobs)  # positional: once per child
         return step, parsed.error
 
     @property

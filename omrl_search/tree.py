@@ -76,8 +76,8 @@ class SearchTree:
         return self.nodes[0]
 
     def add_child(self, parent: Node, step: Step, snapshot: Snapshot | None, state_key: str) -> Node:
-        node = Node(len(self.nodes), parent.id, parent.depth + 1, step.observation, step=step,
-                    snapshot=snapshot, state_key=state_key)
+        node = Node(len(self.nodes), parent.id, parent.depth + 1, step.observation, step,
+                    snapshot, state_key)
         self.nodes.append(node)
         parent.children.append(node.id)
         return node

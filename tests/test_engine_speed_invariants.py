@@ -306,3 +306,30 @@ def test_the_overhead_benchmarks_timed_env_changes_no_search():
     assert eo.TimedGame24Env.seconds > 0
     row = eo.measure("dfs", strategy, tasks, profile=False)
     assert row["env_in_search_s"] > 0 and "engine_us_per_node_in_search" in row
+
+
+def test_well_formed_fast_check_accepts_and_rejects_what_the_full_one_does(monkeypatch):
+    """``well_formed`` passes plain generations through one exact-type check (``_plain``);
+    on generations with every kind of odd field it keeps and reports what the field-by-field
+    check alone (``_malformed``) keeps and reports."""
+    import numpy as np
+
+    import omrl_search.batching as batching
+    from omrl_search.types import Generation
+
+    fields = {
+        "text": ["Act: x", b"Act: x", None],
+        "token_ids": [[1, 2], [], None, (1, 2), [1, True], [1, -2], [np.int64(3)], [1.0], "12"],
+        "logprobs": [[-0.5, -1], [], None, (-0.5,), [np.float32(-1)], [None], ["x"], [True]],
+        "prompt_tokens": [3, 0, -1, 2.0, True, np.int64(4)],
+        "completion_tokens": [2, 0, -3, None],
+    }
+    base = {"text": "Act: x", "token_ids": [1, 2], "logprobs": [-0.5, -1.0],
+            "prompt_tokens": 3, "completion_tokens": 2}
+    gens = [Generation(**{**base, name: value}) for name, values in fields.items() for value in values]
+    gens += [SimpleNamespace(**base), "Act: x"]
+    fast = batching.well_formed(gens, len(gens))
+    monkeypatch.setattr(batching, "_plain", lambda _g: False)
+    full = batching.well_formed(gens, len(gens))
+    assert fast == full
+    assert 0 < len(fast[0]) < len(gens) and len(fast[1]) == len(gens) - len(fast[0])
