@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import random
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Sequence
 
 from .budget import CapReached
@@ -119,7 +120,6 @@ class SearchContext:
         self.engine, self.task, self.tree, self.budget = engine, task, tree, budget
         self.envs, self.prompts, self.constraint = envs, prompts, constraint
         self.env = envs.env
-        self.rng = random.Random(seed)
         self.seed = seed
         self.seeds = Seeds(seed)  # each LM request's seed, from the search's seed
         self.max_depth = envs.max_depth
@@ -130,6 +130,12 @@ class SearchContext:
         self.verifier_used = False  # set when the env's success check was consulted
         self.max_nodes: int | None = getattr(engine, "max_nodes", None)
         self.max_faults: int | None = getattr(engine, "max_faults", None)
+
+    @cached_property
+    def rng(self) -> random.Random:
+        """The search's own RNG, seeded from its seed; made on first use (most strategies draw
+        nothing here: their randomness is the LM's, seeded per request)."""
+        return random.Random(self.seed)
 
     def check(self, kinds: tuple[str, ...] | None = None) -> None:
         """Raise when the budget (of ``kinds``) is spent or, for primitives that grow the tree

@@ -30,11 +30,12 @@ class Run:
 
     __slots__ = ("engine", "strategy", "budget", "on_result", "queue", "results", "limit", "live",
                  "waiting", "evals", "scores", "ready", "inflight", "streaming", "collecting",
-                 "pending")
+                 "pending", "spec")
 
     def __init__(self, engine: "Engine", strategy: Any, tasks: Iterable[Task], budget: Budget,
                  concurrency: int | None, on_result: Callable[[SearchResult], None] | None):
         self.engine, self.strategy, self.budget, self.on_result = engine, strategy, budget, on_result
+        self.spec: str = strategy.spec()  # every result's ``strategy``, made once per run
         self.queue = deque(enumerate(tasks))
         self.results: list[SearchResult | None] = [None] * len(self.queue)
         self.limit = concurrency or len(self.queue) or 1
@@ -77,7 +78,7 @@ class Run:
         return self.results  # type: ignore[return-value]
 
     def start(self, i: int, task: Task) -> None:
-        started = self.engine._start(self.strategy, task, self.budget)
+        started = self.engine._start(self.strategy, task, self.budget, self.spec)
         if isinstance(started, SearchResult):
             self.done(i, started)
             return
@@ -91,7 +92,7 @@ class Run:
 
     def finish(self, i: int, stop: str) -> None:
         ctx, _ = self.live.pop(i)
-        result = self.engine._result(self.strategy, ctx, stop)
+        result = self.engine._result(self.strategy, ctx, stop, self.spec)
         ctx.envs.close()
         self.done(i, result)
 
