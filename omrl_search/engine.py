@@ -31,9 +31,10 @@ error while the engine builds a tree's children (``MemoryError`` included) is a 
 node or that search only; the others go on. Every search stops at ``max_nodes`` nodes and
 ``max_faults`` faults (stop reason ``cap:nodes=N`` / ``cap:faults=N``) whatever its budget.
 
-Cost per node (``benchmarks/engine_overhead*.py``, docs/scaling.md): almost every object a search
-makes (nodes, steps, snapshots, id lists) lives as long as its tree, so the cyclic garbage
-collector's passes over them find nothing; during :meth:`Engine.run` its thresholds are raised
+Cost per node (``benchmarks/engine_overhead*.py``, ``engine_instructions.py``, docs/scaling.md):
+almost every object a search makes (nodes, steps, snapshots, id lists) lives as long as its
+tree, so the cyclic garbage collector's passes over them find nothing; during
+:meth:`Engine.run` its thresholds are raised
 (:func:`fewer_collections`: young collections every 50,000 allocations, full ones rarely),
 restored after. Prompts are sorted by prefix only for policies that gain from it (not those
 that set ``shares_prefixes = False``), step requests carry no chat messages for policies that

@@ -333,3 +333,35 @@ def test_well_formed_fast_check_accepts_and_rejects_what_the_full_one_does(monke
     full = batching.well_formed(gens, len(gens))
     assert fast == full
     assert 0 < len(fast[0]) < len(gens) and len(fast[1]) == len(gens) - len(fast[0])
+
+
+def test_a_search_rng_made_on_first_use_draws_from_the_search_seed():
+    """``SearchContext.rng`` is made when a strategy first reads it: ``random.Random`` of the
+    search's seed, one per search, so two runs with one engine seed draw alike and two tasks
+    draw apart; the result names the strategy's spec as before."""
+    from omrl_search.engine import Engine
+    from omrl_search.strategy import Strategy
+
+    class Draws(Strategy):
+        name = "draws"
+
+        async def run(self, ctx):
+            ctx.scratch["draws"] = [ctx.rng.random() for _ in range(3)]
+            assert ctx.rng is ctx.rng
+            ctx.scratch["want"] = [random.Random(ctx.seed).random() for _ in range(1)]
+            await ctx.expand([ctx.root], 1)
+
+        def select(self, ctx):
+            assert ctx.scratch["draws"][0] == ctx.scratch["want"][0]
+            draws.append(ctx.scratch["draws"])
+            return ctx.root
+
+        def spec(self):
+            return "draws"
+
+    draws: list = []
+    tasks = om.load_tasks("game24", "test", limit=2)
+    for _ in range(2):
+        results = Engine(om.make_policy("scripted:random"), seed=5).run(Draws(), tasks)
+        assert [r.strategy for r in results] == ["draws", "draws"] and not results[0].faults
+    assert draws[:2] == draws[2:] and draws[0] != draws[1]
