@@ -360,6 +360,12 @@ def engine_dedup(mode: str) -> bool:
     return mode == "state"
 
 
+def step_text(node: Node) -> str:
+    """The text of the step that led to ``node``: its action, else its completion."""
+    step = node.step
+    return (step.action or step.completion) if step else ""
+
+
 def text_key(ctx, node: Node) -> int:
     """An id shared by nodes reached by the same action texts from the root (ToT's ``y``: the
     whole output so far). Two children of one parent share it when they wrote the same
@@ -369,8 +375,7 @@ def text_key(ctx, node: Node) -> int:
     if key is None:
         key = 0  # the root
         if node.parent is not None:
-            step = node.step
-            path = (text_key(ctx, ctx.tree.nodes[node.parent]), (step.action or step.completion) if step else "")
+            path = (text_key(ctx, ctx.tree.nodes[node.parent]), step_text(node))
             key = by_path.setdefault(path, len(by_path) + 1)
         by_node[node.id] = key
     return key
@@ -392,10 +397,11 @@ def dedup_nodes(ctx, nodes: Iterable[Node], mode: str, seen: set | None = None) 
 def zero_repeats(ctx, nodes: Sequence[Node], values: Sequence[float]) -> list[float]:
     """ToT's ``get_values`` rule: a candidate repeating an earlier one of the same step (same
     action texts from the root) is valued 0, so the copy does not take a second slot."""
-    seen: set[int] = set()
+    seen: set = set()
     out = []
+    siblings = len({n.parent for n in nodes}) == 1  # one parent: same texts iff same last step
     for n, v in zip(nodes, values):
-        key = text_key(ctx, n)
+        key = step_text(n) if siblings else text_key(ctx, n)
         out.append(0.0 if key in seen else v)
         seen.add(key)
     return out

@@ -268,3 +268,28 @@ def test_seeded_scripted_searches_are_deterministic():
 
     for spec in ("tot:k=3,b=2,evaluator=lm", "tot:k=3,b=2,evaluator=lm,dedup=text,method=dfs"):
         assert tree(spec) == tree(spec)
+
+
+def test_zero_repeats_of_siblings_reads_the_last_step_as_text_keys_do():
+    """``zero_repeats`` keys one parent's children by their last step's text (the same as their
+    text keys then) and a mixed set by text keys: both routes zero the same candidates."""
+    from strategies.values import zero_repeats
+
+    r = search("tot:b=5,k=3,evaluator=lm,n_evaluate=1,dedup=none",
+               Script(DUP_MOVES, verdicts={"3 3 4": ["likely"]}))
+
+    class Ctx:
+        tree, scratch = r.tree, {}
+
+    ctx = Ctx()
+    nodes = r.tree.nodes[1:]
+    families = [[n for n in nodes if n.parent == p] for p in {n.parent for n in nodes}]
+    groups = [f for f in families if len(f) > 1] + [nodes]  # siblings, then every generation mixed
+    assert any(len({text_key(ctx, n) for n in f}) < len(f) for f in groups[:-1])  # a repeat in one
+    for group in groups:
+        values = [1.0] * len(group)
+        seen, want = set(), []
+        for n in group:
+            want.append(0.0 if text_key(ctx, n) in seen else 1.0)
+            seen.add(text_key(ctx, n))
+        assert zero_repeats(Ctx(), group, values) == want
