@@ -271,8 +271,9 @@ def test_seeded_scripted_searches_are_deterministic():
 
 
 def test_zero_repeats_of_siblings_reads_the_last_step_as_text_keys_do():
-    """``zero_repeats`` keys one parent's children by their last step's text (the same as their
-    text keys then) and a mixed set by text keys: both routes zero the same candidates."""
+    """``zero_repeats`` keys a candidate by its parent's text key and its own step's text (the
+    pair its text key interns): it zeroes what comparing text keys zeroes, among one parent's
+    children and in a mixed set."""
     from strategies.values import zero_repeats
 
     r = search("tot:b=5,k=3,evaluator=lm,n_evaluate=1,dedup=none",
