@@ -353,11 +353,14 @@ def _count(x: Any) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0
 
 
+_INTS, _REALS = {int}, {float, int}  # element types checked at C speed
+
+
 def _all_counts(xs: Any) -> bool:
     """A list or tuple of non-negative integers (plain ints checked at C speed)."""
     if not isinstance(xs, (list, tuple)):
         return False
-    if set(map(type, xs)) <= {int}:
+    if set(map(type, xs)) <= _INTS:
         return not xs or min(xs) >= 0
     return all(_count(x) for x in xs)
 
@@ -365,10 +368,7 @@ def _all_counts(xs: Any) -> bool:
 def _all_reals(xs: Any) -> bool:
     if not isinstance(xs, (list, tuple)):
         return False
-    return set(map(type, xs)) <= {float, int} or all(_real(x) for x in xs)
-
-
-_INTS, _REALS = {int}, {float, int}
+    return set(map(type, xs)) <= _REALS or all(_real(x) for x in xs)
 
 
 def _plain(g: Generation) -> bool:
@@ -382,6 +382,10 @@ def _plain(g: Generation) -> bool:
 
 
 def _malformed(g: Any) -> str:
+    """What is wrong with one generation ("" if nothing): plain ones pass one exact-type
+    check (:func:`_plain`), the rest each field's check."""
+    if type(g) is Generation and _plain(g):
+        return ""
     if not isinstance(g, Generation):
         return f"a {type(g).__name__} instead of a Generation"
     if not isinstance(g.text, str):
@@ -404,7 +408,7 @@ def well_formed(gens: Any, n: int) -> tuple[list[Generation], list[str]]:
         return [], [f"policy answered a request with {type(gens).__name__}, not a list of generations"]
     good, problems = [], []
     for g in gens:
-        why = "" if type(g) is Generation and _plain(g) else _malformed(g)
+        why = _malformed(g)
         if why:
             problems.append(why)
         else:

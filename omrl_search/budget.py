@@ -50,6 +50,11 @@ class CapReached(BudgetExhausted):
         return f"cap:{self.args[0]}"
 
 
+def _cached(cached_tokens: int, prompt_tokens: int) -> int:
+    """The cached tokens a charge counts: part of its prompt tokens, so at most all of them."""
+    return min(max(int(cached_tokens), 0), max(int(prompt_tokens), 0))
+
+
 @dataclass(slots=True)
 class Spent:
     prompt_tokens: int = 0
@@ -131,7 +136,7 @@ class Budget:
         in it, at most all of it), not on top of them."""
         s = self.spent
         s.prompt_tokens += prompt_tokens
-        s.cached_tokens += min(max(int(cached_tokens), 0), max(int(prompt_tokens), 0))
+        s.cached_tokens += _cached(cached_tokens, prompt_tokens)
         s.completion_tokens += completion_tokens
         s.lm_calls += lm_calls
         s.rm_calls += rm_calls
@@ -151,7 +156,7 @@ class Budget:
             s.prompt_tokens += g.prompt_tokens
             cached = getattr(g, "cached_tokens", 0)
             if cached:
-                s.cached_tokens += min(max(int(cached), 0), max(int(g.prompt_tokens), 0))
+                s.cached_tokens += _cached(cached, g.prompt_tokens)
             for g in gens:
                 s.completion_tokens += g.completion_tokens
 

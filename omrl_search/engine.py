@@ -133,10 +133,10 @@ class Engine:
         return bool(getattr(self.policy, "answers_prompts", True))
 
     # --- one search: start and result ------------------------------------------------------
-    def _start(self, strategy: Any, task: Task, budget: Budget, spec: str | None = None
+    def _start(self, strategy: Any, task: Task, budget: Budget, spec: str
                ) -> SearchContext | SearchResult:
         """A new search of ``task`` (its env reset, its tree rooted), or the failed result of a
-        task whose env could not be reset. ``spec``: the strategy's spec, if made already."""
+        task whose env could not be reset; ``spec``: the strategy's, made once per run."""
         t0 = time.perf_counter()
         b = budget.fresh()
         envs = None
@@ -157,7 +157,7 @@ class Engine:
             where = "env reset" if envs is None else "engine"
             tree.root.status, tree.root.error = FAILED, f"{type(exc).__name__}: {exc}"
             b.stop_clock()
-            return SearchResult(task=task, strategy=spec or strategy.spec(), tree=tree, best=None,
+            return SearchResult(task=task, strategy=spec, tree=tree, best=None,
                                 success=False, spent=b.spent.as_dict(),
                                 faults=[f"{where}: {tree.root.error}"], stop_reason="error",
                                 seconds=time.perf_counter() - t0)
@@ -165,7 +165,7 @@ class Engine:
                              constraint)
 
     @staticmethod
-    def _result(strategy: Any, ctx: SearchContext, stop: str, spec: str | None = None) -> SearchResult:
+    def _result(strategy: Any, ctx: SearchContext, stop: str, spec: str) -> SearchResult:
         ctx.budget.stop_clock()
         try:
             best = strategy.select(ctx)
@@ -173,7 +173,7 @@ class Engine:
             ctx.faults.append(f"select: {type(exc).__name__}: {exc}")
             best = None
         return SearchResult(
-            task=ctx.task, strategy=spec or strategy.spec(), tree=ctx.tree,
+            task=ctx.task, strategy=spec, tree=ctx.tree,
             best=best.id if best is not None else None,
             success=bool(best is not None and best.success), spent=ctx.budget.spent.as_dict(),
             faults=ctx.faults, stop_reason=stop, seconds=ctx.budget.spent.seconds,
