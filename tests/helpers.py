@@ -1,7 +1,23 @@
 """Test doubles shared by several test files."""
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
 from omrl_search.backends.scripted import OraclePolicy
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_script(relative: str, name: str | None = None) -> ModuleType:
+    """A script that is not a package module (``benchmarks/...``, ``examples/...``), loaded
+    from its path under the repository root."""
+    path = ROOT / relative
+    spec = importlib.util.spec_from_file_location(name or path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 class Recording(OraclePolicy):

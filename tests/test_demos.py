@@ -154,14 +154,9 @@ def test_oracle_demos_round_trip_through_openmanus(tmp_path):
 
 # --- examples/tot_game24: ToT's Game24 propose / value pair through the public API -------------
 def _tot_example():
-    import importlib.util
-    from pathlib import Path
+    from helpers import load_script
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "tot_game24" / "tot_game24.py"
-    spec = importlib.util.spec_from_file_location("tot_game24_example", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/tot_game24/tot_game24.py", "tot_game24_example")
 
 
 def test_tot_game24_example_parses_proposals_and_answers():

@@ -1,27 +1,19 @@
 """``benchmarks/engine_instructions.py``: its stretch bookkeeping, and (slow, with valgrind) a run."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import ROOT, load_script
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "engine_instructions.py"
-
-
-def load():
-    spec = importlib.util.spec_from_file_location("engine_instructions", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+SCRIPT = ROOT / "benchmarks" / "engine_instructions.py"
 
 
 def test_the_meter_names_stretches_in_order_and_dumps_read_in_numeric_order(tmp_path):
-    ei = load()
+    ei = load_script("benchmarks/engine_instructions.py")
     calls = []
 
     class Lib:

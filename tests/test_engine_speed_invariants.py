@@ -282,16 +282,11 @@ def test_a_policy_that_reads_ids_only_gets_the_same_prompt_ids_and_trees(strateg
 def test_the_overhead_benchmarks_timed_env_changes_no_search():
     """``benchmarks/engine_overhead.py``'s in-search env timing (``TimedGame24Env``) grows the
     same trees as the plain env and charges the env a positive share of the run."""
-    import importlib.util
-    from pathlib import Path
-
     from envs.game24 import Game24Env
+    from helpers import load_script
     from omrl_search.engine import Engine
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "engine_overhead.py"
-    spec = importlib.util.spec_from_file_location("engine_overhead", path)
-    eo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(eo)
+    eo = load_script("benchmarks/engine_overhead.py")
     tasks = om.load_tasks("game24", "test", limit=4)
     strategy = "tot:method=dfs,k=3,evaluator=logprob"
 

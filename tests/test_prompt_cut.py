@@ -1,17 +1,12 @@
 """benchmarks/prompt_cut.py: the long-prompt env differs from the shipped one in its prompt only."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 import omrl_search as om
+from helpers import load_script
 from omrl_search.agent import make_format
 from omrl_search.env import make_env
 
-SPEC = importlib.util.spec_from_file_location(
-    "prompt_cut", Path(__file__).resolve().parent.parent / "benchmarks" / "prompt_cut.py")
-prompt_cut = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(prompt_cut)
+prompt_cut = load_script("benchmarks/prompt_cut.py")
 
 
 @pytest.mark.parametrize("env_name", ["game24", "countdown"])
