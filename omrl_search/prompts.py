@@ -26,7 +26,7 @@ format's frame) and counts what each generation was generated under. ``constrain
 from __future__ import annotations
 
 import importlib.util
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from .constrain import Grammar, GrammarError, check, stamp
 from .types import Generation, Step, Task
@@ -51,9 +51,11 @@ class Prompts:
     ``stop`` is the format's stop strings (used when the sampling parameters name none).
     ``chat``: build each step's chat messages; the engine turns it off for a policy that reads
     only token ids (``reads_messages = False``), whose step requests then carry no messages
-    (``[]``), so neither the messages nor their per-node cache are made."""
+    (``[]``), so neither the messages nor their per-node cache are made. ``rendered``: the
+    format's parser of completions in the exact form it renders, returning (thought, action) or
+    None (set by formats whose ``parse`` gives the same on that form; None: ``parse`` alone)."""
 
-    __slots__ = ("format", "encoder", "env", "task", "tree", "stop", "_messages", "chat")
+    __slots__ = ("format", "encoder", "env", "task", "tree", "stop", "_messages", "chat", "rendered")
 
     def __init__(self, fmt: "ReActFormat", encoder: "TurnEncoder | None", env: Any, task: Task,
                  tree: "SearchTree"):
@@ -61,6 +63,7 @@ class Prompts:
         self.stop: tuple[str, ...] = fmt.stop
         self._messages: dict[int, Messages] = {}
         self.chat = True
+        self.rendered: Callable[[str], tuple[str, str] | None] | None = None
 
     def messages(self, node: "Node") -> Messages:
         """The chat up to ``node``'s observation (without notes), cached per node."""
@@ -129,10 +132,14 @@ class Prompts:
     def parse(self, gen: Generation, context_ids: list[int] | None) -> tuple[Step, str]:
         """The step a completion makes and the error text when it is malformed ("" if not):
         a malformed step never reaches the env; the error is its observation."""
-        parsed = self.format.parse(gen.text, getattr(self.env, "action_help", ""))
-        step = Step(gen.text, parsed.thought, parsed.action, "", 0.0, False, True, False,
-                    context_ids, gen.token_ids, gen.logprobs)  # positional: once per child
-        return step, parsed.error
+        text = gen.text
+        quick = self.rendered(text.strip()) if self.rendered is not None else None
+        if quick is not None:  # positional Step: once per child
+            return Step(text, quick[0], quick[1], "", 0.0, False, True, False, context_ids,
+                        gen.token_ids, gen.logprobs), ""
+        parsed = self.format.parse(text, getattr(self.env, "action_help", ""))
+        return Step(text, parsed.thought, parsed.action, "", 0.0, False, True, False,
+                    context_ids, gen.token_ids, gen.logprobs), parsed.error
 
     @property
     def source(self) -> str:

@@ -158,7 +158,34 @@ def test_rendered_completions_parse_as_the_regexes_parse_them():
         fast += plain(text.strip()) is not None
         assert fmt.parse(text, "help") == want, repr(text)
     assert fast > 1000  # the fast route was really taken
-    assert agent._parse_rendered("Think: try.\nAct: 3 + 4") == agent.Parsed("try.", "3 + 4")
+    assert agent._parse_rendered("Think: try.\nAct: 3 + 4") == ("try.", "3 + 4")
+
+
+def test_prompts_parse_takes_the_rendered_route_only_for_formats_that_parse_alike():
+    """``Prompts.parse`` builds the step from the rendered-form parser where the format's own
+    ``parse`` is ReAct's, giving the step ``parse`` gives; a format with its own ``parse``
+    (or ``act``'s thought-less frame) is asked itself."""
+    import omrl_search.agent as agent
+
+    class Shouting(agent.ReActFormat):
+        def parse(self, completion, action_help=""):
+            return agent.Parsed("", completion.upper())
+
+    env = make_env("game24")
+    task = om.load_tasks("game24", "test", limit=1)[0]
+    tree = SimpleNamespace()
+    texts = ["Think: try.\nAct: 3 + 4", " Think:  **x \nAct: 1 * 2 ", "Think: *x\nAct: 3 + 4",
+             "Act: 3 + 4", "Think: a\nAct:  3 + 4", "Think: a\nAct: `3 + 4`", "nothing"]
+    for fmt, quick in ((agent.ReActFormat(), True), (agent.ActFormat(), True), (Shouting(), False)):
+        prompts = fmt.prompts(env, task, tree, None)
+        assert (prompts.rendered is not None) is quick
+        for text in texts:
+            gen = om.Generation(text, [1, 2], [-0.5, -0.1], 3, 2)
+            parsed = fmt.parse(text, env.action_help)
+            step, error = prompts.parse(gen, [7])
+            assert (step.completion, step.thought, step.action, error) == (
+                text, parsed.thought, parsed.action, parsed.error), (type(fmt).__name__, text)
+            assert (step.context_ids, step.completion_ids, step.logprobs) == ([7], [1, 2], [-0.5, -0.1])
 
 
 def test_request_seeds_are_the_plain_mix():
