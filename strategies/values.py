@@ -34,6 +34,7 @@ from omrl_search.reward import AGGREGATIONS, aggregate
 from omrl_search.tree import FAILED, PRUNED, TERMINAL, Node, unique_states
 
 SOURCES = ("auto", "rm", "heuristic", "lm", "logprob", "rollout")
+_ID = attrgetter("id")
 
 
 class ValueSource:
@@ -107,6 +108,11 @@ class LogprobValue(ValueSource):
     """The policy's probability of each step; 1 for steps without logprobs."""
 
     name = "logprob"
+
+    async def __call__(self, ctx, nodes: Sequence[Node]) -> list[float]:
+        if self.agg == "last":  # a node's own step: cheaper to compute again than to cache
+            return [0.0 if n.status == FAILED else step_prob(n) for n in nodes]
+        return await super().__call__(ctx, nodes)
 
     async def step_values(self, ctx, nodes: list[Node]) -> list[float]:
         return [step_prob(n) for n in nodes]
@@ -323,7 +329,7 @@ def softmax(logprobs: Sequence[float]) -> list[float]:
 # --- frontier helpers --------------------------------------------------------------------------
 def remember(ctx, nodes: Sequence[Node], values: Sequence[float]) -> None:
     """Record the strategy's values of nodes (read by :func:`best_answer`)."""
-    ctx.scratch.setdefault("values", {}).update((n.id, v) for n, v in zip(nodes, values))
+    ctx.scratch.setdefault("values", {}).update(zip(map(_ID, nodes), values))
 
 
 ORDERS = ("value", "proposal")
@@ -340,7 +346,8 @@ def keep_best(ctx, nodes: Sequence[Node], values: Sequence[float], n: int, why: 
     if order not in ORDERS:
         raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
     remember(ctx, nodes, values)
-    ranked = sorted(range(len(nodes)), key=lambda i: -values[i])  # stable: ties stay in order
+    neg = [-v for v in values]
+    ranked = sorted(range(len(nodes)), key=neg.__getitem__)  # stable: ties stay in order
     kept = ranked[:n] if order == "value" else sorted(ranked[:n])
     for i in ranked[n:]:
         nodes[i].status, nodes[i].error = PRUNED, why
