@@ -79,19 +79,20 @@ class EnvDriver:
             child = tree.add_child(node, step, None, "")
             child.status, child.error = FAILED, err
             return child
+        terminated, truncated = res.terminated, res.truncated
         step.observation, step.reward, step.done, step.info = (
-            res.observation, res.reward, res.done, res.info)
+            res.observation, res.reward, terminated or truncated, res.info)
         step.valid, step.success = res.valid, res.success
         child = tree.add_child(node, step, snap, snap.state_key)
         self.at = child.id
-        if res.terminated:
+        if terminated:
             child.terminal, child.status = True, TERMINAL
             child.success = res.success
-            return child
-        if res.truncated:
+        elif truncated:
             child.terminal, child.status, child.error = True, TERMINAL, "truncated"
-            return child
-        return self.depth_limit(child)
+        elif child.depth >= self.max_depth:  # depth_limit, written out: once per child
+            child.terminal, child.status, child.error = True, TERMINAL, "max depth"
+        return child
 
     def invalid(self, node: Node, step: Step, error: str) -> Node:
         """A child for a malformed step: it never reaches the env and keeps ``node``'s state;
