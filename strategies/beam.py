@@ -19,6 +19,7 @@ beams stay in the order they were proposed (search-and-learn keeps its beams in 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 from omrl_search.reward import AGGREGATIONS
@@ -58,7 +59,7 @@ class Beam(Strategy):
         beam = [ctx.root]
         while beam:
             kids = await self._propose(ctx, beam)
-            candidates = dedup_nodes(ctx, (c for cs in kids for c in cs), self.dedup)
+            candidates = dedup_nodes(ctx, chain.from_iterable(kids), self.dedup)
             if not candidates:
                 return
             kept = keep_best(ctx, candidates, await value(ctx, candidates), self.width,

@@ -30,6 +30,7 @@ object with ``async __call__(ctx, nodes, k) -> children``), ``order`` (value | p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, Callable
 
 from omrl_search.strategy import Strategy, register_strategy
@@ -167,7 +168,7 @@ class TreeOfThoughts(Strategy):
     async def _step(self, ctx, propose, value, states):
         """One generation and evaluation: the candidates of ``states`` and their values."""
         kids = await propose(ctx, states, self.k)
-        candidates = dedup_nodes(ctx, (c for cs in kids for c in cs), self.dedup)
+        candidates = dedup_nodes(ctx, chain.from_iterable(kids), self.dedup)
         if not candidates:
             return [], []
         values = await value(ctx, candidates)
@@ -204,7 +205,9 @@ class TreeOfThoughts(Strategy):
                     good.append(i)
                 else:
                     kids[i].status, kids[i].error = PRUNED, "below the value threshold"
-            stack += [kids[i] for i in sorted(good, key=lambda i: (vals[i], -i))]  # best on top
+            # best on top; of equal values the earlier proposed: a stable sort of the
+            # reversed indices (every kept value passed the threshold, so none is NaN)
+            stack += [kids[i] for i in sorted(reversed(good), key=vals.__getitem__)]
 
     def select(self, ctx):
         return ctx.scratch.get("answer") or best_answer(ctx)

@@ -412,8 +412,14 @@ def zero_repeats(ctx, nodes: Sequence[Node], values: Sequence[float]) -> list[fl
     seen: set = set()
     out = []
     nodes_by_id = ctx.tree.nodes
+    parent, up = None, 0  # the last parent met and its text key (siblings come together)
     for n, v in zip(nodes, values):  # the pair a text key interns: equal pairs, equal keys
-        key = 0 if n.parent is None else (text_key(ctx, nodes_by_id[n.parent]), step_text(n))
+        if n.parent is None:
+            key = 0
+        else:
+            if n.parent != parent:
+                parent, up = n.parent, text_key(ctx, nodes_by_id[n.parent])
+            key = (up, step_text(n))
         out.append(0.0 if key in seen else v)
         seen.add(key)
     return out
