@@ -41,7 +41,7 @@ class Parsed:
 
 
 #: the exact form :meth:`ReActFormat.render` writes: ``Think: <one line>`` then ``Act: <one
-#: line>``, the action without a colon or backtick and not starting with a space or ``*``
+#: line>``, the action without a colon, backtick or newline, not starting with whitespace or ``*``
 _RENDERED = re.compile(r"Think: ([^\n]*)\nAct: ([^\s*:`\n][^:`\n]*)")
 
 
@@ -79,7 +79,8 @@ class ReActFormat:
                 encoder: "TurnEncoder | None") -> Prompts:
         """What the policy is shown in one search (messages and, with ``encoder``, token ids)."""
         prompts = Prompts(self, encoder, env, task, tree)
-        if type(self).parse is ReActFormat.parse:  # completions in the rendered form skip parse()
+        if (type(self).parse is _REACT_PARSE and "parse" not in vars(self)
+                and type(self).render is _REACT_RENDER):  # its own rendered steps skip parse()
             prompts.rendered = _parse_rendered
         return prompts
 
@@ -166,6 +167,9 @@ class ActFormat(ReActFormat):
         return f"Act: {action}"
 
 
+# ReAct's own parse and render as defined here: a format whose parse (on the class or the
+# instance, patched or overridden) or render differs gets no rendered-form shortcut
+_REACT_PARSE, _REACT_RENDER = ReActFormat.parse, ReActFormat.render
 AGENT_FORMATS = {"react": ReActFormat, "act": ActFormat}
 
 

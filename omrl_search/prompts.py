@@ -51,9 +51,10 @@ class Prompts:
     ``stop`` is the format's stop strings (used when the sampling parameters name none).
     ``chat``: build each step's chat messages; the engine turns it off for a policy that reads
     only token ids (``reads_messages = False``), whose step requests then carry no messages
-    (``[]``), so neither the messages nor their per-node cache are made. ``rendered``: the
-    format's parser of completions in the exact form it renders, returning (thought, action) or
-    None (set by formats whose ``parse`` gives the same on that form; None: ``parse`` alone)."""
+    (``[]``), so neither the messages nor their per-node cache are made. ``rendered``: a parser
+    of completions in ReAct's exact ``Think:``/``Act:`` form, returning (thought, action) or None
+    for any other text, which the format's ``parse`` then reads (set by ReAct itself, whose
+    ``parse`` gives the same on that form; None: ``parse`` alone)."""
 
     __slots__ = ("format", "encoder", "env", "task", "tree", "stop", "_messages", "chat", "rendered")
 
@@ -134,9 +135,9 @@ class Prompts:
         a malformed step never reaches the env; the error is its observation."""
         text = gen.text
         quick = self.rendered(text.strip()) if self.rendered is not None else None
-        if quick is not None:  # positional Step: once per child
+        if quick is not None:
             return Step(text, quick[0], quick[1], "", 0.0, False, True, False, context_ids,
-                        gen.token_ids, gen.logprobs), ""
+                        gen.token_ids, gen.logprobs), ""  # positional: once per child
         parsed = self.format.parse(text, getattr(self.env, "action_help", ""))
         return Step(text, parsed.thought, parsed.action, "", 0.0, False, True, False,
                     context_ids, gen.token_ids, gen.logprobs), parsed.error

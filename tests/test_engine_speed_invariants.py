@@ -6,6 +6,7 @@ value sources' ``last`` shortcut.
 """
 from __future__ import annotations
 
+import math
 import random
 from fractions import Fraction
 from types import SimpleNamespace
@@ -101,6 +102,23 @@ def test_value_sources_reduce_each_path_by_agg(agg):
     assert done.value.value == want
 
 
+def test_logprob_values_of_failed_and_repeated_nodes():
+    """``logprob`` with ``agg=last`` (computed, not cached): a failed node is 0, a node met twice
+    in one call gets the same value, a node without logprobs (the root) 1."""
+    from omrl_search.tree import FAILED, Node
+    from omrl_search.types import Step
+
+    def node(i, lps, status="open"):
+        return Node(i, 0, 1, "", Step("c", "", "a", "", logprobs=lps), status=status)
+
+    a, b, bad = node(1, [-0.5, -0.25]), node(2, None), node(3, [-0.1], FAILED)
+    root = Node(0, None, 0, "")
+    coro = LogprobValue("last")(SimpleNamespace(scratch={}), [a, bad, a, b, root])
+    with pytest.raises(StopIteration) as done:
+        coro.send(None)
+    assert done.value.value == [math.exp(-0.75), 0.0, math.exp(-0.75), 1.0, 1.0]
+
+
 def test_a_value_source_values_each_key_once_in_first_seen_order():
     """``agg=last``: one ``step_values`` call per batch with the first node of each key not yet
     cached, in the order met; repeats read the cache; a failed node is 0 and never asked."""
@@ -161,31 +179,46 @@ def test_rendered_completions_parse_as_the_regexes_parse_them():
     assert agent._parse_rendered("Think: try.\nAct: 3 + 4") == ("try.", "3 + 4")
 
 
-def test_prompts_parse_takes_the_rendered_route_only_for_formats_that_parse_alike():
-    """``Prompts.parse`` builds the step from the rendered-form parser where the format's own
-    ``parse`` is ReAct's, giving the step ``parse`` gives; a format with its own ``parse``
-    (or ``act``'s thought-less frame) is asked itself."""
+def test_prompts_parse_takes_the_rendered_route_only_for_formats_that_parse_alike(monkeypatch):
+    """``Prompts.parse`` reads a completion in ReAct's rendered form without the format's
+    ``parse`` and gives the step ``parse`` gives; any other text goes to ``parse``. A format
+    whose ``parse`` or ``render`` is not ReAct's (``act``, a subclass, a parse replaced on the
+    instance or patched on the class) is always asked itself."""
     import omrl_search.agent as agent
+
+    env = make_env("game24")
+    task, tree = om.load_tasks("game24", "test", limit=1)[0], SimpleNamespace()
+    texts = ["Think: try.\nAct: 3 + 4", " Think:  x y \nAct: 1 * 2 ", "Think: **x\nAct: 3 + 4",
+             "Act: 3 + 4", "Think: a\nAct:  3 + 4", "Think: a\nAct: `3 + 4`", "nothing"]
+
+    def step_of(prompts, text):
+        step, error = prompts.parse(om.Generation(text, [1, 2], [-0.5, -0.1], 3, 2), [7])
+        assert (step.context_ids, step.completion_ids, step.logprobs) == ([7], [1, 2], [-0.5, -0.1])
+        return step.completion, step.thought, step.action, error
+
+    fmt = agent.ReActFormat()
+    prompts = fmt.prompts(env, task, tree, None)
+    want = {t: (t, *(lambda p: (p.thought, p.action, p.error))(fmt.parse(t, env.action_help)))
+            for t in texts}
+    asked = []
+    fmt.parse = lambda text, help="": asked.append(text) or agent.ReActFormat.parse(agent.ReActFormat(), text, help)
+    for text in texts:
+        assert step_of(prompts, text) == want[text], text
+    quick = [t for t in texts if t not in asked]
+    assert quick == ["Think: try.\nAct: 3 + 4", " Think:  x y \nAct: 1 * 2 "]  # parse never asked
 
     class Shouting(agent.ReActFormat):
         def parse(self, completion, action_help=""):
             return agent.Parsed("", completion.upper())
 
-    env = make_env("game24")
-    task = om.load_tasks("game24", "test", limit=1)[0]
-    tree = SimpleNamespace()
-    texts = ["Think: try.\nAct: 3 + 4", " Think:  **x \nAct: 1 * 2 ", "Think: *x\nAct: 3 + 4",
-             "Act: 3 + 4", "Think: a\nAct:  3 + 4", "Think: a\nAct: `3 + 4`", "nothing"]
-    for fmt, quick in ((agent.ReActFormat(), True), (agent.ActFormat(), True), (Shouting(), False)):
-        prompts = fmt.prompts(env, task, tree, None)
-        assert (prompts.rendered is not None) is quick
-        for text in texts:
-            gen = om.Generation(text, [1, 2], [-0.5, -0.1], 3, 2)
-            parsed = fmt.parse(text, env.action_help)
-            step, error = prompts.parse(gen, [7])
-            assert (step.completion, step.thought, step.action, error) == (
-                text, parsed.thought, parsed.action, parsed.error), (type(fmt).__name__, text)
-            assert (step.context_ids, step.completion_ids, step.logprobs) == ([7], [1, 2], [-0.5, -0.1])
+    replaced = agent.ReActFormat()
+    replaced.parse = Shouting.parse.__get__(replaced)
+    for other in (agent.ActFormat(), Shouting(), replaced):
+        assert other.prompts(env, task, tree, None).rendered is None
+    monkeypatch.setattr(agent.ReActFormat, "parse", Shouting.parse)
+    patched = agent.ReActFormat()
+    prompts = patched.prompts(env, task, tree, None)
+    assert prompts.rendered is None and step_of(prompts, texts[0])[2] == texts[0].upper()
 
 
 def test_request_seeds_are_the_plain_mix():
