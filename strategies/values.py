@@ -4,7 +4,7 @@ A value source scores nodes, ``await source(ctx, nodes) -> list[float]`` (higher
 [0, 1] for the built-in ones unless given another label map). Per-step sources give each step (or state) a value and reduce the
 values along the path with ``agg`` — ``last | min | mean | prod``, search-and-learn's convention.
 Values are cached per search in ``ctx.scratch``, so a node (or, for state values, a state) is
-scored once.
+scored once (``logprob`` with ``agg=last`` recomputes instead: one ``exp`` of a sum costs less).
 
 * ``rm`` — the reward model (``ctx.evaluate``), per-step scores reduced by ``agg``;
 * ``heuristic`` — the env's own ``heuristic()`` of each state, for envs that offer one;

@@ -219,6 +219,18 @@ def test_a_truncated_step_ends_its_branch_without_success():
     assert all(not r.success for r in results) and all(n.depth == 1 for r in results for n in r.tree.nodes[1:])
 
 
+def test_the_depth_limit_ends_a_branch_the_env_did_not_end():
+    """A child at ``max_depth`` whose episode goes on is terminal with the error "max depth" and
+    a step that is not done; no node is deeper."""
+    results = om.search_many(TASKS[:6], strategy="best_of_n:n=3", policy="scripted:oracle:p=0.5",
+                             max_depth=2)
+    kids = [n for r in results for n in r.tree.nodes[1:]]
+    capped = [n for n in kids if n.error == "max depth"]
+    assert capped and all(n.depth == 2 and n.terminal and n.status == "terminal" and not n.success
+                          and not n.step.done and not n.children for n in capped)
+    assert all(n.depth <= 2 for n in kids) and all(n.error != "max depth" for n in kids if n.depth < 2)
+
+
 def test_the_env_is_restored_only_when_it_holds_another_state():
     cls, restores = _counting_game24()
     results = om.search_many(TASKS[:5], strategy="react", policy="scripted:oracle:p=0.3",

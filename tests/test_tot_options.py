@@ -4,6 +4,7 @@ pins the frontier ToT selects and the order it expands it in (docs/strategies.md
 from __future__ import annotations
 
 import asyncio
+import random
 import re
 
 import pytest
@@ -270,6 +271,15 @@ def test_seeded_scripted_searches_are_deterministic():
         assert tree(spec) == tree(spec)
 
 
+def test_dfs_expands_children_best_first_ties_in_proposal_order():
+    """ToT-DFS pushes a state's children so that the best is expanded first and, of equal
+    values, the earlier proposed (every grandchild here is impossible, so each is a dead end)."""
+    moves = {"1 2 3 4": ["1 + 2", "3 * 4", "1 * 2"]}
+    verdicts = {"3 3 4": ["likely"], "1 2 12": ["likely"], "2 3 4": ["sure"]}
+    r = search("tot:method=dfs,k=3,evaluator=lm,n_evaluate=1", Script(moves, verdicts=verdicts))
+    assert actions(expanded(r, 1)) == ["1 * 2", "1 + 2", "3 * 4"]
+
+
 def test_zero_repeats_of_siblings_reads_the_last_step_as_text_keys_do():
     """``zero_repeats`` keys a candidate by its parent's text key and its own step's text (the
     pair its text key interns): it zeroes what comparing text keys zeroes, among one parent's
@@ -285,7 +295,9 @@ def test_zero_repeats_of_siblings_reads_the_last_step_as_text_keys_do():
     ctx = Ctx()
     nodes = r.tree.nodes[1:]
     families = [[n for n in nodes if n.parent == p] for p in {n.parent for n in nodes}]
-    groups = [f for f in families if len(f) > 1] + [nodes]  # siblings, then every generation mixed
+    shuffled = list(nodes)
+    random.Random(0).shuffle(shuffled)  # siblings apart: each parent's key met more than once
+    groups = [f for f in families if len(f) > 1] + [nodes, shuffled]  # siblings, then all mixed
     assert any(len({text_key(ctx, n) for n in f}) < len(f) for f in groups[:-1])  # a repeat in one
     for group in groups:
         values = [1.0] * len(group)
