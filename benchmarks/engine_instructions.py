@@ -49,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 CHILD = "OMRL_INSTRUCTIONS_DIR"  # set in the run under valgrind: where the helper and dumps live
@@ -93,9 +94,6 @@ class Meter:
         return self.ticks
 
 
-_MISSING = object()
-
-
 class Switch:
     """``--parts``: wrapped methods switch callgrind's collection on (a part's) or off (the
     env's and the policy's) while they run. ``calls`` counts the wrapper calls made while
@@ -105,7 +103,6 @@ class Switch:
     def __init__(self, lib):
         self.lib, self.on = lib, False
         self.calls = dict.fromkeys(("on", "off", "same"), 0)
-        self.cost = dict.fromkeys(("base", "on", "off", "same"), 0.0)
 
     def wrap(self, fn, on: bool):
         def run(*args, **kwargs):
@@ -171,38 +168,37 @@ def parts(args, meter, tasks, eo) -> list[dict]:
     eo.CLOCK = itertools.count(1.0).__next__  # ticks: the stretches are the parts now
     runs = []
 
-    def patch(target: str, on: bool, undo: list) -> None:
-        module, _, qual = target.partition(":")
-        cls, _, name = qual.partition(".")
-        owner = getattr(importlib.import_module(f"omrl_search.{module}"), cls)
+    def patch(owner, name: str, on: bool, undo: list) -> None:
         raw = owner.__dict__[name]
-        fn = raw.__func__ if isinstance(raw, staticmethod) else raw
-        wrapped = switch.wrap(fn, on)
-        setattr(owner, name, staticmethod(wrapped) if isinstance(raw, staticmethod) else wrapped)
+        static = isinstance(raw, staticmethod)
+        wrapped = switch.wrap(raw.__func__ if static else raw, on)
+        setattr(owner, name, staticmethod(wrapped) if static else wrapped)
         undo.append((owner, name, raw))
 
+    def method(target: str) -> tuple[Any, str]:
+        module, _, qual = target.partition(":")
+        cls, _, name = qual.partition(".")
+        return getattr(importlib.import_module(f"omrl_search.{module}"), cls), name
+
+    # never counted: opening and closing envs, their steps and snapshots (set on the timed env
+    # by child()), the policy's calls
+    outside = [method("env_driver:EnvDriver.open"), method("env_driver:EnvDriver.close"),
+               (eo.TimedGame24Env, "step"), (eo.TimedGame24Env, "snapshot"),
+               (eo.ZeroCostPolicy, "generate")]
     for kind in args.kinds:
         for part, (inside, besides) in PARTS.items():
             undo: list = []
             for target in inside:
-                patch(target, True, undo)
-            for target in besides + ("env_driver:EnvDriver.open", "env_driver:EnvDriver.close"):
-                patch(target, False, undo)
-            for cls, names in ((eo.TimedGame24Env, ("step", "snapshot")),
-                               (eo.ZeroCostPolicy, ("generate",))):
-                for name in names:
-                    undo.append((cls, name, cls.__dict__.get(name, _MISSING)))
-                    setattr(cls, name, switch.wrap(getattr(cls, name), False))
+                patch(*method(target), True, undo)
+            for owner, name in [method(t) for t in besides] + outside:
+                patch(owner, name, False, undo)
             gc.collect()
             gc.disable()
             switch.stretch(lambda kind=kind: eo.measure(kind, eo.workloads(args.simulations)[kind],
                                                         tasks, profile=False))
             gc.enable()
             for owner, name, raw in reversed(undo):
-                if raw is _MISSING:
-                    delattr(owner, name)
-                else:
-                    setattr(owner, name, raw)
+                setattr(owner, name, raw)
             runs.append({"kind": kind, "part": part, "calls": dict(switch.calls)})
     return runs
 

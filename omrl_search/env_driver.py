@@ -90,8 +90,8 @@ class EnvDriver:
             child.success = res.success
         elif truncated:
             child.terminal, child.status, child.error = True, TERMINAL, "truncated"
-        elif child.depth >= self.max_depth:  # depth_limit, written out: once per child
-            child.terminal, child.status, child.error = True, TERMINAL, "max depth"
+        else:
+            self.depth_limit(child)
         return child
 
     def invalid(self, node: Node, step: Step, error: str) -> Node:
