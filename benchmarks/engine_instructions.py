@@ -26,7 +26,7 @@ interpreter executes, beside the CPU-time figures, not instead of them.
 searches, and the driver loop. Each search runs again once per part with collection switched on
 only inside the part's methods and off inside the env's and the policy's calls (:class:`Switch`);
 what each wrapper call itself costs is measured first and taken off. The parts are counted where
-they run, with no replay; they sum to 5-8% above the replayed total: that total is lower by the
+they run, with no replay; they sum to 3-8% above the replayed total: that total is lower by the
 replay's full ``restore`` (the search sets a value snapshot's state itself, ~1.7k a node), and
 the wrappers leave a residue of a few hundred instructions a call (2-4 calls a node).
 
