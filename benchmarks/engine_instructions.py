@@ -48,6 +48,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -72,11 +73,23 @@ PARTS = {
 }
 
 
+@contextmanager
+def collector_off():
+    """The cyclic collector off for a counted stretch, after a full pass: its phase would move
+    the counts by ~10% with what ran before, so it is off on both sides."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 class Meter:
     """A stand-in for the benchmarks' ``CLOCK``: each call starts or stops counting (one
-    callgrind dump per stretch, in order) and reads one more tick each time, so their ``t0 = CLOCK() ... CLOCK()``
-    pairs mark the stretches. Each stretch takes the next name of ``names``; ``stretches``
-    lists the names of the closed ones."""
+    callgrind dump per stretch, in order) and reads one more tick each time, so their
+    ``t0 = CLOCK() ... CLOCK()`` pairs mark the stretches. Each stretch takes the next name of
+    ``names``; ``stretches`` lists the names of the closed ones."""
 
     def __init__(self, lib):
         self.lib, self.on, self.ticks = lib, False, 0.0  # lib: meter_start(), meter_stop()
@@ -192,11 +205,9 @@ def parts(args, meter, tasks, eo) -> list[dict]:
                 patch(*method(target), True, undo)
             for owner, name in [method(t) for t in besides] + outside:
                 patch(owner, name, False, undo)
-            gc.collect()
-            gc.disable()
-            switch.stretch(lambda kind=kind: eo.measure(kind, eo.workloads(args.simulations)[kind],
-                                                        tasks, profile=False))
-            gc.enable()
+            with collector_off():
+                switch.stretch(lambda kind=kind: eo.measure(
+                    kind, eo.workloads(args.simulations)[kind], tasks, profile=False))
             for owner, name, raw in reversed(undo):
                 setattr(owner, name, raw)
             runs.append({"kind": kind, "part": part, "calls": dict(switch.calls)})
@@ -239,15 +250,13 @@ def child(args) -> None:
                     algorithm, tasks, args.simulations, 3, np.mean, agent=True, kind=kind), True))
         for name, run, replay_policy in runs:
             asked.clear()
-            gc.collect()
-            gc.disable()  # the collector's phase would move counts by ~10%: off on both sides
-            first, meter.names = len(meter.stretches), ["search", "env", "policy"]
-            row = run()  # the search, then the env replay (and the plain hooks' replay)
-            if replay_policy:  # the policy's own draws, replayed on the requests it answered
-                meter()
-                generate(eo.ZeroCostPolicy(), list(asked))
-                meter()
-            gc.enable()
+            with collector_off():
+                first, meter.names = len(meter.stretches), ["search", "env", "policy"]
+                row = run()  # the search, then the env replay (and the plain hooks' replay)
+                if replay_policy:  # the policy's own draws, replayed on the requests it answered
+                    meter()
+                    generate(eo.ZeroCostPolicy(), list(asked))
+                    meter()
             sides.append({"side": name, "kind": kind, "nodes": row["nodes"],
                           "simulations": row["simulations"], "stretches": meter.stretches[first:]})
     if args.parts:

@@ -79,16 +79,15 @@ class EnvDriver:
             child = tree.add_child(node, step, None, "")
             child.status, child.error = FAILED, err
             return child
-        terminated, truncated = res.terminated, res.truncated
         step.observation, step.reward, step.done, step.info = (
-            res.observation, res.reward, terminated or truncated, res.info)
+            res.observation, res.reward, res.done, res.info)
         step.valid, step.success = res.valid, res.success
         child = tree.add_child(node, step, snap, snap.state_key)
         self.at = child.id
-        if terminated:
+        if res.terminated:
             child.terminal, child.status = True, TERMINAL
             child.success = res.success
-        elif truncated:
+        elif res.truncated:
             child.terminal, child.status, child.error = True, TERMINAL, "truncated"
         else:
             self.depth_limit(child)

@@ -136,11 +136,12 @@ class Prompts:
         text = gen.text
         quick = self.rendered(text.strip()) if self.rendered is not None else None
         if quick is not None:
-            return Step(text, quick[0], quick[1], "", 0.0, False, True, False, context_ids,
-                        gen.token_ids, gen.logprobs), ""  # positional: once per child
-        parsed = self.format.parse(text, getattr(self.env, "action_help", ""))
-        return Step(text, parsed.thought, parsed.action, "", 0.0, False, True, False,
-                    context_ids, gen.token_ids, gen.logprobs), parsed.error
+            (thought, action), error = quick, ""
+        else:
+            parsed = self.format.parse(text, getattr(self.env, "action_help", ""))
+            thought, action, error = parsed.thought, parsed.action, parsed.error
+        return Step(text, thought, action, "", 0.0, False, True, False, context_ids,
+                    gen.token_ids, gen.logprobs), error  # positional: once per child
 
     @property
     def source(self) -> str:
