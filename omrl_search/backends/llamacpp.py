@@ -44,10 +44,15 @@ AMX, like the development VM) crash with a segfault in ``ggml_backend_amx_mul_ma
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import logging
 import os
+import sys
+import threading
+import time
+import weakref
 from typing import Any, Sequence
 
 from ..policy import (Policy, PolicyError, from_path_spec, register_policy, request_prompt_ids,
@@ -198,6 +203,7 @@ class LlamaCppPolicy(ChunkedDecoder, Policy):
         self._grammar: Any = None  # the engine masking logits, made on the first grammar
         self._model = self._ctx = self._batch = None
         self._load(model_path)
+        _OPEN.add(self)
 
     # --- loading ------------------------------------------------------------------------
     def _load(self, model_path: str) -> None:
@@ -272,6 +278,8 @@ class LlamaCppPolicy(ChunkedDecoder, Policy):
             self._model = None
 
     def __del__(self) -> None:  # pragma: no cover - best effort
+        if sys.is_finalizing():
+            return  # see close_open_policies: the process is ending, the OS frees the memory
         try:
             self.close()
         except Exception:  # noqa: BLE001
@@ -588,3 +596,34 @@ def _sample(np: Any, logits: Any, params: list[Any], rng: Any) -> tuple[Any, Any
 def _make_llamacpp(arg: str) -> Policy:
     return from_path_spec("llamacpp", LlamaCppPolicy, arg,
                           "a GGUF file, e.g. llamacpp:/path/to/model.gguf")
+
+
+#: policies with a model loaded, closed at interpreter exit by :func:`close_open_policies`
+_OPEN: "weakref.WeakSet[LlamaCppPolicy]" = weakref.WeakSet()
+
+
+@atexit.register
+def close_open_policies(wait: float = 30.0) -> int:
+    """Free every llama.cpp model still open, while the interpreter is whole; how many.
+
+    Freeing a context makes llama.cpp log through llama_cpp's Python log callback. Left to
+    ``__del__`` during interpreter teardown, the free can run after that callback's module was
+    cleared and its C trampoline released: a call into unmapped memory, a segfault after every
+    test had passed (docs/reliability.md, "Exit"). So models are freed here, at exit, first;
+    ``__del__`` does nothing once the interpreter is finalizing. An LM call abandoned at its
+    deadline may still be decoding on a background thread: it is waited for (``wait`` seconds
+    in all); if it has not finished, nothing is freed under it and the OS reclaims the memory.
+    """
+    busy = [t for t in threading.enumerate() if t.name == "omrl-lm-call" and t.is_alive()]
+    until = time.monotonic() + wait
+    for t in busy:
+        t.join(max(0.0, until - time.monotonic()))
+    if any(t.is_alive() for t in busy):
+        return 0
+    closed = 0
+    for policy in list(_OPEN):
+        if policy._ctx is not None or policy._model is not None:
+            policy.close()
+            closed += 1
+    _OPEN.clear()
+    return closed
