@@ -23,6 +23,7 @@ from typing import Any, Sequence
 from .api import parse_budget, search_many, summarize
 from .budget import KINDS
 from .executors import Executor
+from .host import describe, host_info, policy_dtype
 from .outdir import OutDir, ResultLog
 from .policy import Policy, make_policy
 from .reward import make_reward_model
@@ -156,7 +157,7 @@ def bench(tasks: Sequence[Task], strategies: "str | Sequence[str | Strategy]", b
         config = {"env": env, "split": source or ",".join(sorted({t.split for t in tasks})),
                   "tasks": len(tasks), "policy": _spec_of(policy), "reward_model": _spec_of(reward_model),
                   "budget_kind": kind, "budgets": limits, "seed": seed, "constrain": constrain,
-                  "agent": agent}
+                  "agent": agent, "host": host_info(), "dtype": policy_dtype(pol)}
         summary = {"config": config, "strategies": rows}
         if od is not None:
             (od.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -281,6 +282,7 @@ def markdown(config: dict[str, Any], rows: dict[str, dict[str, dict[str, Any]]])
     labels = [f"{config['budget_kind']}={b:g}" for b in config["budgets"]]
     lines = [f"# omrl bench: {config['env']} ({config['split']}, {config['tasks']} tasks), "
              f"policy `{config['policy']}`, seed {config['seed']}", "",
+             describe(config["host"], config["dtype"]) if "host" in config else "", "",
              _constraint_line(config, rows), "",
              "Success rate per per-task budget, with its Wilson 95% interval (`*`: the env's "
              "success check steers the search or picks the answer — verifier in the loop).", "",
