@@ -168,4 +168,5 @@ def read_results(path: str | Path) -> Iterator[SearchResult]:
             try:
                 yield SearchResult.from_json(line)
             except Exception as exc:
-                raise ValueError(f"{path}:{lineno}: {exc}".splitlines()[0]) from None
+                why = f"missing field {exc.args[0]!r}" if isinstance(exc, KeyError) and exc.args else exc
+                raise ValueError(f"{path}:{lineno}: {why}".splitlines()[0]) from None

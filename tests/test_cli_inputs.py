@@ -140,14 +140,8 @@ COMMANDS = {
 
 @pytest.mark.parametrize("where", ["proc", "under-a-file"])
 @pytest.mark.parametrize("command", sorted(COMMANDS))
-def test_an_unwritable_out_is_one_line_for_every_command(command, where, results_file, tmp_path,
-                                                         capsys, monkeypatch):
-    import omrl_search.policy as policy
-
-    def no_model(*a, **k):  # a model built first would be a bug even if it then failed
-        raise AssertionError("a model was built before --out was checked")
-
-    monkeypatch.setattr(policy, "make_policy", no_model)
+def test_an_unwritable_out_is_one_line_for_every_command(command, where, results_file, tmp_path, capsys):
+    """Checked in omrl's main() before the command runs (so before any model or data)."""
     if where == "proc":
         out = _unwritable() / "x"
         needle = "is not writable"
@@ -164,15 +158,19 @@ def test_an_unwritable_out_is_one_line_for_every_command(command, where, results
 def no_weights(monkeypatch, tmp_path) -> str:
     """A --model that must not be loaded: every trainer's load_model fails the test, and the
     folder itself is no model (loading it would fail with another message)."""
+    import train.cli  # noqa: F401 - every module that binds load_model, imported before the patch
     import train.dpo
     import train.grpo
+    import train.ppo
+    import train.prm  # noqa: F401
     import train.runtime
     import train.sft
+    import train.trainers  # noqa: F401
 
     def no_model(*a, **k):
         raise AssertionError("the weights were loaded before the data and --out were checked")
 
-    for mod in (train.sft, train.dpo, train.grpo, train.runtime):
+    for mod in (train.sft, train.dpo, train.grpo, train.ppo, train.runtime):
         monkeypatch.setattr(mod, "load_model", no_model)
     fake = tmp_path / "not-a-model"
     fake.mkdir()
@@ -218,3 +216,30 @@ def test_train_checks_data_and_out_before_loading_weights(case, no_weights, sft_
     before = _tree(tmp_path)
     _refused(argv, capsys, tmp_path, *needles)
     assert _tree(tmp_path) == before
+
+
+# --- folders made on the way to --out are removed again when nothing is written ---------------------
+@pytest.mark.parametrize("command", [
+    ["search", "--env", "game24", "--limit", "1", "--no-progress"],
+    ["bench", "--env", "game24", "--limit", "1", "--budgets", "tokens=100", "--strategies", "react",
+     "--no-progress"],
+])
+def test_a_run_that_fails_before_writing_leaves_no_parent_folders(command, tmp_path, capsys):
+    """The policy cannot load: search/bench fail after --out was opened, and the folders
+    opening it made above it go again."""
+    out = tmp_path / "new" / "deeper" / "run"
+    _refused([*command, "--policy", "hf:/nonexistent/model", "--out", str(out)], capsys, tmp_path,
+             "/nonexistent/model")
+    assert not (tmp_path / "new").exists()
+
+
+def test_label_files_leave_no_folder_when_writing_fails(tmp_path):
+    from reward_models.label_files import LabelFileError, write_labels
+
+    row = {"prompt": "solve", "completions": ["Act: x"], "labels": [True], "soft_labels": [1.0],
+           "observations": ["ok"], "env": "game24", "task_id": "t", "split": "no/such"}
+    with pytest.raises(LabelFileError, match="split name 'no/such'"):
+        write_labels([row], tmp_path / "new" / "labels")
+    assert _tree(tmp_path) == []
+    assert write_labels([{**row, "split": "train"}], tmp_path / "new" / "labels")  # the control
+    assert (tmp_path / "new" / "labels" / "train.parquet").is_file()
