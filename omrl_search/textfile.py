@@ -9,14 +9,21 @@ from typing import Iterator
 
 def decode_utf8(data: bytes, path: "str | Path", first_line: int = 1) -> str:
     """``data`` decoded, or a ValueError naming the line (counted from ``first_line``) and the
-    column of the first byte that is not UTF-8."""
+    column of the first byte that is not UTF-8, or of the first NUL byte (valid UTF-8, but no
+    text file holds one: a parquet or other binary file whose first bytes happen to decode)."""
     try:
-        return data.decode("utf-8")
+        text = data.decode("utf-8")
+        end = len(data)
     except UnicodeDecodeError as exc:
-        line = first_line + data.count(b"\n", 0, exc.start)
-        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
-        raise ValueError(f"{path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at "
-                         f"column {column}; a binary file?)") from None
+        text, end = "", exc.start
+    nul = data.find(b"\0", 0, end)
+    if nul < 0 and end == len(data):
+        return text
+    bad = nul if nul >= 0 else end
+    line = first_line + data.count(b"\n", 0, bad)
+    column = bad - (data.rfind(b"\n", 0, bad) + 1) + 1
+    what = "not text (a NUL byte" if nul >= 0 else f"not UTF-8 text (byte 0x{data[bad]:02x}"
+    raise ValueError(f"{path}:{line}: {what} at column {column}; a binary file?)")
 
 
 def read_utf8(path: "str | Path") -> str:

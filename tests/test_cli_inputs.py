@@ -73,6 +73,33 @@ def test_a_non_utf8_line_is_named_by_file_and_line(command, binary, tmp_path, ca
     assert "error: utf-8" not in err
 
 
+@pytest.mark.parametrize("command", [
+    ["search", "--env", "game24", "--no-progress", "--file"],
+    ["export", "sft", "--out", "OUT"],
+    ["label", "--out", "OUT"],
+])
+def test_a_binary_file_is_named_by_file_and_line(command, sft_file, tmp_path, capsys):
+    """A parquet file given where JSONL is read: its first line decodes as UTF-8, so the NUL
+    byte in it is what names it."""
+    argv = [str(tmp_path / "o" / "x") if a == "OUT" else a for a in command] + [str(sft_file)]
+    _refused(argv, capsys, tmp_path, f"{sft_file}:1: not text (a NUL byte at column")
+
+
+@pytest.mark.parametrize("data,where", [
+    (b"ok\n\xff", "f:2: not UTF-8 text (byte 0xff at column 1;"),
+    (b"x\ny\nzz\xc3", "f:3: not UTF-8 text (byte 0xc3 at column 3;"),
+    (b"a\x00\n\xff", "f:1: not text (a NUL byte at column 2;"),  # the first bad byte is named
+    (b"\xe2\x82\xac\n\x00", "f:2: not text (a NUL byte at column 1;"),
+])
+def test_decode_utf8_names_the_line_and_column(data, where):
+    from omrl_search.textfile import decode_utf8
+
+    with pytest.raises(ValueError) as err:
+        decode_utf8(data, "f")
+    assert str(err.value).startswith(where)
+    assert decode_utf8("€ ok\nline two".encode(), "f") == "€ ok\nline two"
+
+
 # --- omrl export leaves no --out folder when it fails --------------------------------------------------
 @pytest.mark.parametrize("source", ["missing", "empty", "binary", "no-rows"])
 def test_export_creates_no_out_folder_when_it_fails(source, binary, results_file, tmp_path, capsys):
