@@ -66,6 +66,7 @@ def _unwritable() -> Path:
     ["export", "sft", "--out", "OUT"],
     ["export", "dpo", "--out", "OUT"],
     ["export", "openmanus", "--out", "OUT"],
+    ["export", "sft", "--tokenizer", "/nonexistent/tokenizer", "--out", "OUT"],  # sources read first
 ])
 def test_a_non_utf8_line_is_named_by_file_and_line(command, binary, tmp_path, capsys):
     argv = [str(tmp_path / "o" / "x.parquet") if a == "OUT" else a for a in command] + [str(binary)]
