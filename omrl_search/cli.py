@@ -8,7 +8,9 @@ command being run is imported (``omrl --help`` imports them all, for their help 
 
 Every argument is validated (env, tasks, strategies, budget, ``--out``: created and writable)
 before any model loads or search runs; a bad one, argparse's own errors included, prints one line
-naming it and exits with status 2. ``--out`` is written as a whole (:mod:`omrl_search.outdir`):
+naming it and exits with status 2. Every command's ``--out`` (a path it writes: a folder or a
+file) is checked here, for all of them, before the command runs: it can be written, and nothing
+is created to find out (:func:`~omrl_search.outdir.check_out_path`). ``--out`` is written as a whole (:mod:`omrl_search.outdir`):
 results are appended task by task to a hidden sibling that replaces DIR at the end; a run that
 raises keeps its finished tasks in ``DIR.partial`` and says so. Every success rate printed or
 written carries its Wilson 95% interval, and several strategies are each tested against the
@@ -30,7 +32,7 @@ from .agent import AGENT_FORMATS
 from .api import load_tasks, parse_budget, search_many, summarize
 from .env import EnvError, TaskFileError, env_class, env_server_factory, list_envs
 from .executors import Executor, parse_executor
-from .outdir import OutDir, ResultLog
+from .outdir import OutDir, ResultLog, check_out_path
 from .plugins import COMMANDS, PluginError, command_help
 from .policy import PolicyError, list_policies, make_policy
 from .prompts import CONSTRAIN_MODES
@@ -283,6 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = _parser(argv[0] if argv else None).parse_args(argv)
+        if isinstance(getattr(args, "out", None), str):  # every command's --out, before its work
+            check_out_path(args.out)
         if args.command == "search":
             return _search(args)
         if args.command in LISTINGS:

@@ -150,11 +150,15 @@ class Env(ABC):
 
 def load_task_file(path: str | Path, parse: Callable[[dict[str, Any]], Task]) -> list[Task]:
     """Read a JSONL task file, validating every line before returning any task."""
+    from .textfile import read_utf8
+
     path = Path(path)
     try:
-        text = path.read_text()
+        text = read_utf8(path)
     except OSError as exc:
         raise TaskFileError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except ValueError as exc:  # a byte that is not UTF-8: file:line
+        raise TaskFileError(str(exc)) from None
     tasks = []
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():

@@ -15,6 +15,7 @@ successful finished trajectories below each, Monte-Carlo).
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable
 
 from .agent import TurnEncoder
@@ -54,6 +55,9 @@ def dpo_rows(results: Iterable[SearchResult], *, pairs: str = "branch", margin: 
     check_unit(unit)
     if pairs not in PAIRS:
         raise ExportError(f"unknown pairs {pairs!r} (one of {', '.join(PAIRS)})")
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin) \
+            or margin < 0:
+        raise ExportError(f"dpo: margin must be a finite number >= 0, got {margin!r}")
     r = Renderer(tokenizer)
     rows = []
     for res in results:

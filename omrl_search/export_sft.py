@@ -19,6 +19,7 @@ from typing import Any, Iterable, Iterator
 from .agent import TurnEncoder
 from .export_common import ExportError, Renderer, env_reward, outcome, segments_from_messages
 from .result import SearchResult
+from .textfile import read_utf8
 from .tree import Node, SearchTree
 
 
@@ -49,6 +50,8 @@ def sft_rows(results: Iterable[SearchResult], *, top_k: int = 1, include_failure
              tokenizer: TurnEncoder | None = None, mask_invalid: bool = True) -> list[dict[str, Any]]:
     """Rejection sampling: per result, up to ``top_k`` distinct finished trajectories, successful
     ones (``include_failures``: failed ones too, after them), fewer steps first."""
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ExportError(f"sft: top_k must be an integer >= 1, got {top_k!r}")
     r = Renderer(tokenizer)
     rows = []
     for res in results:
@@ -94,9 +97,11 @@ def openmanus_rows(path: str | Path, tokenizer: TurnEncoder | None = None) -> li
     Segments are filled when ``tokenizer`` is given, else left empty (the trainer encodes)."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = read_utf8(path)
     except OSError as exc:
         raise ExportError(f"{path}: {exc.strerror}") from None
+    except ValueError as exc:  # a byte that is not UTF-8: file:line
+        raise ExportError(str(exc)) from None
     stripped = text.lstrip()
     try:
         if stripped.startswith("["):

@@ -51,6 +51,7 @@ from .export_dpo import PAIRS, dpo_rows
 from .export_grpo import grpo_rows
 from .export_prm import SOFT, label_paths, prm_rows
 from .export_sft import openmanus_rows, rs_sft_rows, sft_rows
+from .outdir import make_dirs, remove_dirs
 from .result import read_results
 
 __all__ = ["KINDS", "VALUES", "SOFT", "PAIRS", "ExportError", "seg_dict", "segments_from_messages",
@@ -107,15 +108,17 @@ def write_parquet(rows: list[dict[str, Any]], path: str | Path, kind: str) -> Pa
     import pyarrow.parquet as pq
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     sch = schema(kind)
     table = pa.Table.from_pylist([{k: r.get(k) for k in sch.names} for r in rows], schema=sch)
+    created = make_dirs(path.parent)  # only now, with rows to write
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         pq.write_table(table, tmp)
         os.replace(tmp, path)
-    finally:
+    except BaseException:
         tmp.unlink(missing_ok=True)
+        remove_dirs(created)
+        raise
     return path
 
 
@@ -125,15 +128,20 @@ def export(kind: str, sources: Sequence[str | Path], out: str | Path, *,
     Returns (path, rows). Nothing is written when there are no rows or the input is bad."""
     if kind not in KINDS:
         raise ExportError(f"unknown export {kind!r} (one of {', '.join(KINDS)})")
+    for s in sources:
+        if not Path(s).is_file():
+            raise ExportError(f"{s}: no such file")
+    results = []
+    if kind != "openmanus":  # every source read (and refused, when bad) before a tokenizer loads
+        for s in sources:
+            try:
+                results += list(read_results(s))
+            except ValueError as exc:  # file:line: invalid JSON, not UTF-8, a bad record
+                raise ExportError(str(exc)) from None
     enc = load_encoder(tokenizer) if isinstance(tokenizer, str) else tokenizer
     if kind == "openmanus":
         rows = [r for s in sources for r in openmanus_rows(s, enc)]
     else:
-        results = []
-        for s in sources:
-            if not Path(s).is_file():
-                raise ExportError(f"{s}: no such file")
-            results += list(read_results(s))
         rows = _BUILD[kind](results, tokenizer=enc, **options)
     if not rows:
         raise ExportError(f"no {kind} rows in {', '.join(map(str, sources))} (nothing written)")
@@ -143,26 +151,28 @@ def export(kind: str, sources: Sequence[str | Path], out: str | Path, *,
 # --- ``omrl export`` ---------------------------------------------------------------------------------
 def configure(parser: Any) -> None:
     """Export search results as SFT / rejection-sampling SFT / DPO / GRPO / PRM-label parquet, or import OpenManus-RL data."""
+    from .cli import finite_at_least, int_at_least
+
     parser.add_argument("kind", choices=KINDS)
     parser.add_argument("sources", nargs="+", help="results.jsonl files (openmanus: a JSON/JSONL file)")
     parser.add_argument("--out", required=True, help="the parquet file to write")
     parser.add_argument("--tokenizer", default=None,
                         help="re-encode with this model's tokenizer (smollm2, an HF folder or a .gguf)")
-    parser.add_argument("--top-k", type=int, default=1, help="sft: trajectories kept per task")
+    parser.add_argument("--top-k", type=int_at_least(1), default=1, help="sft: trajectories kept per task")
     parser.add_argument("--include-failures", action="store_true",
                         help="sft: keep failed trajectories too (after the successful ones)")
-    parser.add_argument("--cap", type=int, default=4, help="rs-sft: distinct successes kept per task")
+    parser.add_argument("--cap", type=int_at_least(1), default=4, help="rs-sft: distinct successes kept per task")
     parser.add_argument("--pairs", choices=PAIRS, default="branch",
                         help="dpo: branch (chosen leads to success, rejected not) or value (gap >= margin)")
-    parser.add_argument("--margin", type=float, default=0.5, help="dpo --pairs value: least value gap")
-    parser.add_argument("--max-pairs", type=int, default=4, help="dpo: pairs per branch point")
+    parser.add_argument("--margin", type=finite_at_least(0), default=0.5, help="dpo --pairs value: least value gap")
+    parser.add_argument("--max-pairs", type=int_at_least(1), default=4, help="dpo: pairs per branch point")
     parser.add_argument("--unit", choices=("step", "trajectory"), default=None,
                         help="dpo/grpo: single turns or whole continuations (dpo: step, grpo: trajectory)")
     parser.add_argument("--value", choices=VALUES, default="mc", help="dpo/grpo: node values")
-    parser.add_argument("--min-group", type=int, default=2, help="grpo: smallest group kept")
+    parser.add_argument("--min-group", type=int_at_least(1), default=2, help="grpo: smallest group kept")
     parser.add_argument("--soft", choices=SOFT, default="mc",
                         help="prm: what soft_labels hold (mc, q where there is one, their mean)")
-    parser.add_argument("--threshold", type=float, default=0.5, help="prm: labels = soft_labels >= this")
+    parser.add_argument("--threshold", type=finite_at_least(0), default=0.5, help="prm: labels = soft_labels >= this")
 
 
 def run(args: Any) -> int:
@@ -170,7 +180,7 @@ def run(args: Any) -> int:
 
     from .outdir import check_writable_file
 
-    check_writable_file(args.out)  # before any input is read
+    check_writable_file(args.out)  # before any input is read; creates nothing
     opts: dict[str, Any] = {}
     if args.kind == "sft":
         opts = {"top_k": args.top_k, "include_failures": args.include_failures}

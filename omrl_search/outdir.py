@@ -34,6 +34,7 @@ class OutDir:
         self.final, self.path = final, path
         self.finished = 0  #: tasks whose results were written (counted by ResultLog)
         self.main_file = ""  #: the file the partial-results note points at
+        self.created: list[Path] = []  #: parent folders open() made (removed if nothing is kept)
 
     @classmethod
     def open(cls, final: "str | Path", flag: str = "--out") -> "OutDir":
@@ -51,17 +52,18 @@ class OutDir:
                 raise UsageError(f"{flag} {final} is a non-empty directory with no omrl output in it "
                                  f"({' or '.join(MARKERS)}); it would be replaced: name a new or empty one")
         parent = final.parent
-        try:
-            parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise UsageError(f"{flag} {final}: cannot create {parent}: {exc.strerror or exc}") from None
+        check_out_path(parent, flag, label=final)
+        created = make_dirs(parent)
         _recover(final)
         try:
             path = Path(tempfile.mkdtemp(prefix=f".{final.name}{TMP}{os.getpid()}-", dir=parent))
         except OSError as exc:
+            remove_dirs(created)
             raise UsageError(f"{flag} {final} is not writable (cannot create a directory in {parent}: "
                              f"{exc.strerror or exc})") from None
-        return cls(final, path)
+        out = cls(final, path)
+        out.created = created
+        return out
 
     @property
     def partial(self) -> Path:
@@ -88,6 +90,7 @@ class OutDir:
         and return it, or remove the temporary directory when it holds nothing."""
         if not any(p.is_file() and p.stat().st_size for p in self.path.rglob("*")):
             shutil.rmtree(self.path, ignore_errors=True)
+            remove_dirs(self.created)
             return None
         shutil.rmtree(self.partial, ignore_errors=True)
         _default_mode(self.path)
@@ -156,7 +159,12 @@ def write_file_atomic(path: "str | Path", text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file in the same folder renamed into place;
     the temporary file is removed if writing fails (nothing half-written, no ``.tmp`` left)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    created = make_dirs(path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except BaseException:
+        remove_dirs(created)
+        raise
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
@@ -164,22 +172,63 @@ def write_file_atomic(path: "str | Path", text: str) -> None:
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
+        remove_dirs(created)
         raise
 
 
 def check_writable_file(path: "str | Path", flag: str = "--out") -> Path:
-    """Before any work: ``path`` is not a directory and its folder can be created and written."""
+    """Before any work: ``path`` is not a directory and its folder exists or can be made, and can
+    be written (:func:`check_out_path`; nothing is created)."""
     path = Path(path)
     if path.is_dir():
         raise UsageError(f"{flag} {path} is a directory")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as exc:
-        raise UsageError(f"{flag} {path} is not writable: {exc.strerror or exc}") from None
-    os.close(fd)
-    os.unlink(tmp)
+    check_out_path(path.parent, flag, label=path)
     return path
+
+
+def check_out_path(path: "str | Path", flag: str = "--out", *, label: "str | Path | None" = None) -> Path:
+    """Before any work, creating nothing: something can be written at ``path``. An existing
+    folder must let a file be made in it; an existing file, its folder; a missing path, the
+    nearest folder above it, and nothing on the way may be a file. The place is probed by
+    making and removing a temporary folder (root passes a plain permission check even where
+    nothing can be written, e.g. ``/proc``). A problem is a :class:`UsageError` naming
+    ``flag`` and ``label`` (default ``path``)."""
+    label = path if label is None else label
+    path = Path(os.path.abspath(path))
+    where = path if path.is_dir() else path.parent if path.exists() else None
+    if where is None:
+        where = path.parent
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        if not where.is_dir():
+            raise UsageError(f"{flag} {label} is not writable (cannot create it: {where} is not a directory)")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".omrl-probe-", dir=where))
+    except OSError as exc:
+        raise UsageError(f"{flag} {label} is not writable (cannot create anything in {where}: "
+                         f"{exc.strerror or exc})") from None
+    return path
+
+
+def make_dirs(path: "str | Path") -> list[Path]:
+    """``mkdir -p path``, returning the folders it made (outermost first) for :func:`remove_dirs`."""
+    path = Path(path)
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    for p in reversed(missing):
+        p.mkdir(exist_ok=True)
+    return missing[::-1]
+
+
+def remove_dirs(created: list[Path]) -> None:
+    """Remove folders :func:`make_dirs` made, innermost first, where they are still empty."""
+    for p in reversed(created):
+        try:
+            p.rmdir()
+        except OSError:
+            return
 
 
 # --- helpers -------------------------------------------------------------------------------------

@@ -160,11 +160,13 @@ def write_results(path: str | Path, results: list[SearchResult]) -> None:
 
 
 def read_results(path: str | Path) -> Iterator[SearchResult]:
+    from .textfile import utf8_lines
+
     path = Path(path)
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    yield SearchResult.from_json(line)
-                except Exception as exc:
-                    raise ValueError(f"{path}:{lineno}: {exc}".splitlines()[0]) from None
+    for lineno, line in utf8_lines(path):  # a byte that is not UTF-8: file:line
+        if line.strip():
+            try:
+                yield SearchResult.from_json(line)
+            except Exception as exc:
+                why = f"missing field {exc.args[0]!r}" if isinstance(exc, KeyError) and exc.args else exc
+                raise ValueError(f"{path}:{lineno}: {why}".splitlines()[0]) from None

@@ -165,9 +165,11 @@ def write_labels(rows: list[dict[str, Any]], out: str | os.PathLike) -> dict[str
     by_split: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
         by_split.setdefault(row["split"], []).append(row)
-    out.mkdir(parents=True, exist_ok=True)
+    from omrl_search.outdir import make_dirs, remove_dirs
+
+    created = make_dirs(out)  # removed again if nothing could be written
     sch = schema()
-    written, tmps = {}, []
+    written, tmps, done = {}, [], False
     try:
         for split, part in sorted(by_split.items()):
             if not split.replace("-", "").replace("_", "").isalnum():
@@ -179,8 +181,11 @@ def write_labels(rows: list[dict[str, Any]], out: str | os.PathLike) -> dict[str
             written[split] = str(out / f"{split}.parquet")
         for tmp in tmps:
             tmp.replace(out / tmp.name[1:-4])
+        done = True
     finally:
         for tmp in tmps:
             if tmp.exists():
                 tmp.unlink()
+        if not done:
+            remove_dirs(created)
     return written

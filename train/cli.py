@@ -25,6 +25,8 @@ HELP = {"sft": "supervised fine-tuning on SFT rows (masked NLL, optional packing
         "grpo": "GRPO on exported groups, or online / iterative with the search engine",
         "ppo": "PPO with a value head and GAE over the policy's own tokens"}
 
+#: trainer -> the exported rows it trains on (:data:`train.data.COLUMNS`)
+DATA_OF = {"sft": "sft", "dpo": "dpo", "grpo": "grpo", "ppo": "grpo"}
 #: flag -> config key
 FLAGS = {"model": "model", "data": "data", "out": "out", "max_steps": "max_steps", "lr": "lr",
          "batch_size": "batch_size", "grad_accum": "grad_accum", "seed": "seed"}
@@ -68,6 +70,24 @@ def overrides(args: argparse.Namespace) -> list[str] | dict[str, Any]:
     return out
 
 
+def check_before_loading(kind: str, cfg: Any) -> None:
+    """What can be checked without the model, before its weights load: ``out`` can be written
+    (also when it came from the YAML file; nothing is created) and the data files are parquet
+    files with rows and the columns this trainer needs (:func:`train.data.check_files`; online
+    GRPO/PPO sample their own data)."""
+    from omrl_search.outdir import check_out_path
+    from omrl_search.specs import UsageError
+
+    from .data import check_files
+
+    try:
+        check_out_path(cfg.out, "out")  # --out itself was checked by omrl's main
+    except UsageError as exc:
+        raise TrainError(str(exc)) from None
+    if getattr(cfg, "online", None) is None:
+        check_files(cfg.data, DATA_OF[kind])
+
+
 def run(args: argparse.Namespace) -> int:
     if args.trainer == "prm":
         return prm.run(args)
@@ -76,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
     trainer = TRAINERS[args.trainer]
     try:
         cfg = trainer.config.from_sources(args.config, overrides(args))
+        check_before_loading(args.trainer, cfg)
         last = trainer.train(cfg)
     except (TrainError, PolicyError) as exc:
         print(f"omrl train: error: {exc}", file=sys.stderr)

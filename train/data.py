@@ -127,10 +127,48 @@ class RowBuilder:
         return self.from_messages(row.get(msg_col))
 
 
-def _load(paths: Sequence[str | Path], need_any: Sequence[Sequence[str]],
-          convert: Callable[[dict[str, Any]], Any]) -> list[Any]:
-    """Read every file, check columns (each group in ``need_any`` needs one of its names),
-    convert each row; errors become ``file:row: reason``."""
+#: the columns each trainer's rows need (each group: one of its names)
+COLUMNS: dict[str, list[tuple[str, ...]]] = {
+    "sft": [("segments", "messages")],
+    "dpo": [("chosen_segments", "chosen"), ("rejected_segments", "rejected")],
+    "grpo": [("segments",), ("value", "reward"), ("group_id",)],
+}
+
+
+def _check_columns(path: str | Path, cols: set[str], kind: str, exported: str | None = None) -> None:
+    for group in COLUMNS[kind]:
+        if not cols & set(group):
+            names = " or ".join(repr(c) for c in group)
+            what = f" (an `omrl export {exported}` file; {kind} trains on {kind} rows)" \
+                if exported and exported != kind else ""
+            raise DataError(f"{path}:1: missing column {names}{what}")
+
+
+def check_files(paths: Sequence[str | Path], kind: str) -> None:
+    """Before any model loads: each of ``paths`` is a parquet file with rows and the columns
+    ``kind`` (:data:`COLUMNS`) needs. Only the files' footers are read; rows are validated
+    when they are loaded. Errors: ``file[:row]: reason``."""
+    import pyarrow.parquet as pq
+
+    if not paths:
+        raise DataError("no data files given (set data: [file.parquet, ...])")
+    for path in paths:
+        if not Path(path).is_file():
+            raise DataError(f"{path}: no such file")
+        try:
+            f = pq.ParquetFile(path)
+            schema, rows = f.schema_arrow, f.metadata.num_rows
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is one line
+            raise DataError(f"{path}: not a readable parquet file ({type(exc).__name__})") from None
+        if rows == 0:
+            raise DataError(f"{path}: no rows")
+        exported = (schema.metadata or {}).get(b"omrl.kind", b"").decode() or None
+        _check_columns(path, set(schema.names), kind, exported)
+
+
+def _load(paths: Sequence[str | Path], kind: str, convert: Callable[[dict[str, Any]], Any]) -> list[Any]:
+    """Read every file, check ``kind``'s columns (:data:`COLUMNS`), convert each row; errors
+    become ``file:row: reason``."""
     if not paths:
         raise DataError("no data files given (set data: [file.parquet, ...])")
     out = []
@@ -138,11 +176,7 @@ def _load(paths: Sequence[str | Path], need_any: Sequence[Sequence[str]],
         rows = read_parquet(path)
         if not rows:
             raise DataError(f"{path}: no rows")
-        cols = set(rows[0])
-        for group in need_any:
-            if not cols & set(group):
-                names = " or ".join(repr(c) for c in group)
-                raise DataError(f"{path}:1: missing column {names}")
+        _check_columns(path, set(rows[0]), kind)
         for i, row in enumerate(rows, 1):
             try:
                 out.append(convert(row))
@@ -154,8 +188,7 @@ def _load(paths: Sequence[str | Path], need_any: Sequence[Sequence[str]],
 # --- per trainer ------------------------------------------------------------------------------------
 def load_sft(paths: Sequence[str | Path], builder: RowBuilder) -> list[TokenRow]:
     """SFT rows: ``segments`` (exact ids) or ``messages`` (encoded turn by turn)."""
-    return _load(paths, [("segments", "messages")],
-                 lambda row: builder.sequence(row, "segments", "messages"))
+    return _load(paths, "sft", lambda row: builder.sequence(row, "segments", "messages"))
 
 
 def load_dpo(paths: Sequence[str | Path], builder: RowBuilder) -> list[PairRow]:
@@ -188,7 +221,7 @@ def load_dpo(paths: Sequence[str | Path], builder: RowBuilder) -> list[PairRow]:
             raise ValueError("chosen and rejected are identical")
         return PairRow(c, r)
 
-    return _load(paths, [("chosen_segments", "chosen"), ("rejected_segments", "rejected")], convert)
+    return _load(paths, "dpo", convert)
 
 
 def load_grpo(paths: Sequence[str | Path], builder: RowBuilder) -> list[TokenRow]:
@@ -210,7 +243,7 @@ def load_grpo(paths: Sequence[str | Path], builder: RowBuilder) -> list[TokenRow
         seq.group = groups.setdefault(row["group_id"], len(groups))
         return seq
 
-    return _load(paths, [("segments",), ("value", "reward"), ("group_id",)], convert)
+    return _load(paths, "grpo", convert)
 
 
 # --- constrained samples ------------------------------------------------------------------------
