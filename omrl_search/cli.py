@@ -32,6 +32,7 @@ from .agent import AGENT_FORMATS
 from .api import load_tasks, parse_budget, search_many, summarize
 from .env import EnvError, TaskFileError, env_class, env_server_factory, list_envs
 from .executors import Executor, parse_executor
+from .host import host_info, policy_dtype
 from .outdir import OutDir, ResultLog, check_out_path
 from .plugins import COMMANDS, PluginError, command_help
 from .policy import PolicyError, list_policies, make_policy
@@ -222,7 +223,8 @@ def search_strategies(tasks: list, strategies: list, out: OutDir | None, **kwarg
     strategy name (the whole spec for a repeated name), each row with its Wilson interval and,
     after the first, a ``paired`` McNemar test against the first on the same tasks. With
     ``out``, every result is appended to ``results.jsonl`` as its task finishes (in task order
-    once done) and ``summary.json`` is written at the end."""
+    once done) and ``summary.json`` is written at the end. Each row records the ``host`` (CPU,
+    cores, native bf16) and the policy's ``dtype`` (:mod:`omrl_search.host`)."""
     from .stats import outcomes, paired
 
     if out is not None:
@@ -239,6 +241,7 @@ def search_strategies(tasks: list, strategies: list, out: OutDir | None, **kwarg
             results = search_many(tasks, strategy=strat, on_result=on_result, **kwargs)
             key = strat.spec() if len(strategies) > 1 and strat.name in summary else strat.name
             summary[key] = summarize(results, time.perf_counter() - t0)
+            summary[key].update(host=host_info(), dtype=policy_dtype(kwargs.get("policy")))
             solved[key] = outcomes(results)
             del results  # one strategy's trees in memory at a time
     first = next(iter(summary))

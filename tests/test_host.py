@@ -48,3 +48,14 @@ def test_bench_summary_and_table_record_host_and_dtype(tmp_path, tiny_hf_model):
     assert saved["config"]["dtype"] == "float32" == summary["config"]["dtype"]
     assert saved["config"]["host"] == host.host_info()
     assert "dtype: float32" in (out / "table.md").read_text()
+
+
+def test_search_summary_rows_record_host_and_dtype(tmp_path, tiny_hf_model):
+    from omrl_search.cli import main
+
+    out = tmp_path / "s"
+    assert main(["search", "--env", "game24", "--limit", "1", "--policy",
+                 f"hf:{tiny_hf_model}:dtype=float32", "--max-tokens", "4", "--budget", "tokens=100",
+                 "--no-progress", "--out", str(out)]) == 0
+    row = json.loads((out / "summary.json").read_text())["react"]
+    assert row["dtype"] == "float32" and row["host"] == host.host_info()
