@@ -141,3 +141,50 @@ def test_q_labels_on_a_toy_tree():
     assert q[(0, b.id)] == 1.0  # mean return 1.2, clipped
     assert q[(0, c.id)] == 0.5  # visit-weighted mean return
     assert (0, d.id) not in q and (0, 0) not in q  # no visits, no proof: no label
+
+
+class _OraclePRM:
+    """Scores each step by what its observation shows: the outcome when finished, else whether
+    the numbers left can still make 24 (a PRM that is always right)."""
+
+    kind = "prm"
+
+    def score_episodes(self, episodes):
+        out = []
+        for ep in episodes:
+            scores = []
+            for obs in ep.observations:
+                if "Solved" in obs:
+                    scores.append(0.9)
+                elif "Failed" in obs or "Out of steps" in obs:
+                    scores.append(0.1)
+                else:
+                    scores.append(0.8 if solvable(_numbers_left(obs), 24) else 0.2)
+            out.append(scores)
+        return out
+
+
+def test_heldout_against_exact_labels(tmp_path, monkeypatch):
+    """``benchmarks/prm_heldout.py --labels exact``: a PRM that is always right ranks every step
+    (AUC 1 before the end and over all steps); an env without exact values is one error."""
+    from reward_models.prm import ProcessRewardModel
+    from train.loop_prm import heldout
+
+    results = om.search_many(om.load_tasks("game24", "test", 5), strategy="best_of_n:n=3",
+                             policy="scripted:oracle:p=0.5", seed=0)
+    f = tmp_path / "results.jsonl"
+    om.write_results(f, results)
+    monkeypatch.setattr(ProcessRewardModel, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: _OraclePRM()))
+    out = heldout("unused", [f], labels="exact")
+    assert out["before_end"]["auc"] == 1.0 and out["all"]["auc"] == 1.0
+    assert 0 < out["before_end"]["steps"] < out["all"]["steps"]
+    mc = heldout("unused", [f])  # the same steps against MC values of three leaves
+    assert mc["all"]["steps"] <= out["all"]["steps"]
+
+    sok = om.search_many(om.load_tasks("sokoban", "test", 1), strategy="react",
+                         policy="scripted:oracle:p=0.5", seed=0)
+    g = tmp_path / "sokoban.jsonl"
+    om.write_results(g, sok)
+    with pytest.raises(ValueError, match="'sokoban' cannot compute exact values"):
+        heldout("unused", [g], labels="exact")
