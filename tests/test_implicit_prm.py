@@ -147,7 +147,16 @@ def test_spec_parsing_keeps_commas_of_policy_specs():
 
 
 def test_listed_and_guides_beam_like_a_prm(policy_model, ref_model):
+    import importlib
+    import tomllib
+    from pathlib import Path
+
     assert "implicit" in list_reward_models()
+    # listed by `omrl reward-models` through its entry point (once the package is installed)
+    project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    target = project["project"]["entry-points"]["omrl_search.reward_models"]["implicit"]
+    module, _, attr = target.partition(":")
+    assert callable(getattr(importlib.import_module(module), attr))
     rm = make_reward_model(f"implicit:hf:{policy_model},ref=hf:{ref_model},beta=1")
     tasks = om.load_tasks("game24", "test", limit=2)
     results = om.search_many(tasks, strategy="beam:width=2,k=2,value=rm",
