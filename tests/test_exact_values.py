@@ -188,3 +188,19 @@ def test_heldout_against_exact_labels(tmp_path, monkeypatch):
     om.write_results(g, sok)
     with pytest.raises(ValueError, match="'sokoban' cannot compute exact values"):
         heldout("unused", [g], labels="exact")
+
+
+def test_mc_labels_scored_against_exact_labels(tmp_path, trees):
+    """``prm_heldout.py --mc-vs-exact``: every distinct step with an MC value, its MC value as
+    the prediction and its exact label as the truth."""
+    from helpers import load_script
+    from reward_models.labels import label_results
+    from train.prm import unique_steps
+
+    f = tmp_path / "results.jsonl"
+    om.write_results(f, trees)
+    out = load_script("benchmarks/prm_heldout.py").mc_vs_exact([f])
+    steps = unique_steps(label_results(trees, rollouts=0))
+    assert out["all"]["calibration"]["steps"] == len(steps)
+    assert out["before_end"]["calibration"]["steps"] == sum(not end for *_, end in steps)
+    assert out["before_end"]["auc"] > 0.7  # leaves of a half-right oracle: informative labels
