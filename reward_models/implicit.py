@@ -20,7 +20,10 @@ Scoring goes through the policy backend's :meth:`~omrl_search.policy.Policy.scor
 that follow the same prefix (siblings, the children of one expansion) are one request, whose
 prompt the backend prefills once (``hf``: through its prefix cache, which also keeps the prompts
 of earlier calls); a step scored before (the shared ancestors of every prefix of a search) is
-not scored again (memoised by prefix and completion). The prompt of a step is the engine's own
+not scored again (memoised by prefix and completion). ``last_tokens`` (what the engine charges
+as ``rm_tokens``) counts, per prefix, the prompt and completion tokens both models ran for the
+steps it was the first to need, less the prompt tokens their prefix caches served; a memoised
+step costs nothing. The prompt of a step is the engine's own
 (:func:`omrl_search.exports.prompt_messages`, then the completions and observation turns of the
 format the search used).
 """
@@ -88,15 +91,47 @@ class ImplicitPRM(RewardModel):
                 messages += [{"role": "assistant", "content": completion},
                              fmt.observation_message(ep.observations[i])]
             plans.append(keys)
+        cost: dict[tuple, int] = {}
         if requests:
             order = list(requests)
             reqs, comps = [requests[k] for k in order], [groups[k] for k in order]
-            mine, theirs = self.policy.score(reqs, comps), self.ref.score(reqs, comps)
+            for model in dict.fromkeys((self.policy, self.ref)):  # the same model once
+                for k, n in zip(order, self._tokens_run(model, reqs, comps)):
+                    cost[k] = cost.get(k, 0) + n
+            mine = self.policy.score(reqs, comps)
+            self._tokens_after(self.policy, order, cost)
+            theirs = mine if self.ref is self.policy else self.ref.score(reqs, comps)
+            if self.ref is not self.policy:
+                self._tokens_after(self.ref, order, cost)
             for k, cs, lp, lr in zip(order, comps, mine, theirs):
                 for c, a, b in zip(cs, lp, lr):
                     self._memo[(k, c)] = self.beta * (a - b)
                 self.scored += len(cs)
+        # each request's tokens go to the first prefix of the call that needed it
+        self.last_tokens = []
+        for keys in plans:
+            self.last_tokens.append(sum(cost.pop(prefix, 0) for prefix, _ in keys))
         return [[self._memo[key] for key in keys] for keys in plans]
+
+    @staticmethod
+    def _tokens_run(model: Any, reqs: list[GenRequest], comps: list[list[str]]) -> list[int]:
+        """Per request, the tokens ``model`` runs to score it: its prompt (rendered with the
+        model's chat template) and every completion; 0 for a model without a tokenizer (the
+        prompt tokens its prefix cache serves are taken off by :meth:`_tokens_after`)."""
+        tok = getattr(model, "tokenizer", None)
+        if tok is None or not hasattr(tok, "render"):
+            return [0] * len(reqs)
+        return [len(tok.encode(tok.render(r.messages, True))) + sum(len(tok.encode(c)) for c in cs)
+                for r, cs in zip(reqs, comps)]
+
+    @staticmethod
+    def _tokens_after(model: Any, order: list[tuple], cost: dict[tuple, int]) -> None:
+        """``cost`` less the prompt tokens ``model``'s prefix cache served in its last
+        :meth:`~omrl_search.policy.Policy.score` call (``last_score_cached``)."""
+        served = getattr(model, "last_score_cached", None)
+        if isinstance(served, list) and len(served) == len(order):
+            for k, n in zip(order, served):
+                cost[k] = max(cost[k] - int(n), 0)
 
     def score(self, prefixes: list[Trajectory]) -> list[list[float]]:
         """Per step, the (squashed) running sum of the step rewards up to it."""

@@ -95,11 +95,33 @@ def test_steps_scored_once_and_siblings_share_a_request(policy_model, ref_model,
         short = type(trajectory)(trajectory.task, trajectory.nodes[:2], trajectory.agent)
         rm.score([short, trajectory])  # the first step is shared: one request, scored once
         assert calls == [[1] * len(trajectory.steps)]
+        assert rm.last_tokens[0] > 0 and rm.last_tokens[1] > 0
         rm.score([trajectory])
         assert len(calls) == 1  # everything memoised: no model call
+        assert rm.last_tokens == [0]  # ... and no token run
     finally:
         del rm.policy.score
     assert rm.scored == len(trajectory.steps)
+
+
+def test_tokens_run_are_counted_for_rm_tokens(policy_model, ref_model, trajectory):
+    """Without a prefix cache each step costs both models its whole prompt and completion."""
+    from omrl_search.agent import ReActFormat
+    from omrl_search.exports import prompt_messages
+
+    rm = make_reward_model(f"implicit:hf:{policy_model}:prefix_cache=off,"
+                           f"ref=hf:{ref_model}:prefix_cache=off")
+    tok = transformers.AutoTokenizer.from_pretrained(policy_model)
+    fmt, want = ReActFormat(), 0
+    messages = prompt_messages(trajectory.task, trajectory.nodes[0].observation, fmt)
+    for step in trajectory.steps:
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        want += len(tok(prompt, add_special_tokens=False).input_ids)
+        want += len(tok(step.completion, add_special_tokens=False).input_ids)
+        messages = messages + [{"role": "assistant", "content": step.completion},
+                               fmt.observation_message(step.observation)]
+    rm.score([trajectory])
+    assert rm.last_tokens == [2 * want]
 
 
 def test_the_same_model_as_its_own_reference_gives_zero(policy_model, trajectory):
@@ -162,7 +184,7 @@ def test_listed_and_guides_beam_like_a_prm(policy_model, ref_model):
     results = om.search_many(tasks, strategy="beam:width=2,k=2,value=rm",
                              policy="scripted:oracle:p=0.5", reward_model=rm, seed=1)
     for r in results:
-        assert not r.faults and r.spent["rm_calls"] > 0
+        assert not r.faults and r.spent["rm_calls"] > 0 and r.spent["rm_tokens"] > 0
         scored = [n.score for n in r.tree.nodes if n.score is not None]
         assert scored and all(0 < s < 1 for s in scored) and len(set(scored)) > 1
     assert math.isfinite(sum(n.score or 0 for r in results for n in r.tree.nodes))
