@@ -21,7 +21,8 @@ prunes left out):
 * **Q-value** where the node has MCTS visits: value sum / visits (the ``q_values`` column).
   As a label (``--soft q``, :func:`q_labels`) solver-proven values replace it: a node with a
   solved finished leaf below it is a proven win (1.0: the env is deterministic and single-player,
-  so the way down is a way to win), a finished step that failed a proven loss (0.0).
+  so the way down is a way to win), a finished step that failed a proven loss (0.0); a node with
+  neither visits nor a proof keeps its MC value.
 * **Exact value** (``--soft exact``, :func:`exact_labels`), for envs that offer
   :meth:`omrl_search.env.Env.exact_value` (Game24, Countdown): 1.0 when the state after the step
   can still be solved, 0.0 when not; a finished step is its success. Every step gets one, so no
@@ -112,7 +113,7 @@ def q_labels(results: Sequence[Any]) -> dict[tuple[int, int], float]:
     """``{(result index, node id): Q}``: a finished step is its success (a proven win or loss),
     a node with a solved finished leaf below it is a proven win (1.0), any other node with MCTS
     visits its visit-weighted mean return (value sum / visits, clipped to [0, 1]). Nodes with
-    neither are left out (their paths are cut there)."""
+    neither are absent (their rows keep the MC value there)."""
     from omrl_search.tree import FAILED
 
     out: dict[tuple[int, int], float] = {}
@@ -198,7 +199,7 @@ def label_results(results: Iterable[Any], *, policy: Any = None, rollouts: int =
         raise ValueError("need rollouts >= 0 and 0 < threshold <= 1")
     results = list(results)
     override = exact_labels(results) if soft == "exact" else q_labels(results) if soft == "q" else None
-    if override is not None:
+    if soft == "exact":
         policy = None  # every step has its value: no rollouts to complete
     plans: dict[str, list[_Target]] = {}
     tasks: dict[str, Any] = {}
@@ -224,7 +225,7 @@ def label_results(results: Iterable[Any], *, policy: Any = None, rollouts: int =
         if bad:
             raise ValueError(f"completing rollouts failed: {bad[0]}")
     extra = {key: (t.successes, t.done) for key, t in targets.items()}
-    return prm_rows(results, soft="mc" if override is not None else soft, threshold=threshold,
+    return prm_rows(results, soft="mc" if soft == "exact" else soft, threshold=threshold,
                     tree_leaves=tree_leaves, extra=extra, segments=segments, tokenizer=tokenizer,
                     override=override)
 
@@ -299,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
     from omrl_search.exports import load_encoder
 
     encoder = load_encoder(args.tokenizer) if args.tokenizer else None
-    policy = make_policy(args.policy) if args.policy and args.soft not in ("exact", "q") else None
+    policy = make_policy(args.policy) if args.policy and args.soft != "exact" else None
     t0 = time.perf_counter()
     rows = label_results(
         results, policy=policy, rollouts=args.rollouts, soft=args.soft, threshold=args.threshold,
