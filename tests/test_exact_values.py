@@ -204,3 +204,21 @@ def test_mc_labels_scored_against_exact_labels(tmp_path, trees):
     assert out["all"]["calibration"]["steps"] == len(steps)
     assert out["before_end"]["calibration"]["steps"] == sum(not end for *_, end in steps)
     assert out["before_end"]["auc"] > 0.7  # leaves of a half-right oracle: informative labels
+
+
+def test_a_prm_trained_on_exact_labels_is_marked_a_ceiling(tmp_path, tiny_hf_model, capsys):
+    import json
+
+    from omrl_search.cli import main
+
+    run = tmp_path / "run"
+    assert main(["search", "--env", "game24", "--split", "train", "--limit", "8", "--policy",
+                 "scripted:oracle:p=0.5", "--strategy", "beam:width=2,k=2", "--out", str(run),
+                 "--no-progress"]) == 0
+    labels = tmp_path / "labels"
+    assert main(["label", str(run), "--out", str(labels), "--soft", "exact", "--no-progress"]) == 0
+    out = tmp_path / "prm"
+    assert main(["train", "prm", "--data", str(labels), "--base", tiny_hf_model, "--out", str(out),
+                 "--max-steps", "1", "--batch-size", "2", "--device", "cpu", "--no-progress"]) == 0
+    assert "a ceiling experiment" in capsys.readouterr().err
+    assert json.loads((out / "omrl-train.json").read_text())["oracle_labels"].endswith("meta.json")

@@ -331,11 +331,31 @@ def train(cfg: PRMConfig) -> dict[str, Any]:
     print(f"prm ({cfg.loss}): {runner.examples} examples from {len(train_rows)} train rows ({sum(len(r['completions']) for r in train_rows)} steps), "
           f"{len(val_rows)} validation rows, {runner.trainable_parameters:,} trainable parameters, "
           f"{runner.max_steps} steps on {runner.device}", file=sys.stderr, flush=True)
+    oracle = oracle_labels(cfg.data)
+    if oracle:
+        print(f"prm: trained on exact (oracle) labels: a ceiling experiment ({oracle})",
+              file=sys.stderr, flush=True)
     last = runner.train()
     val = _validate(runner, prm, val_rows, cfg)
     runner.write_marker(validation=val, train_rows=len(train_rows), val_rows=len(val_rows),
-                        reward_model=prm.config())
+                        reward_model=prm.config(), oracle_labels=oracle or None)
     return {"train": last, "validation": val}
+
+
+def oracle_labels(files: Sequence[str]) -> str:
+    """The ``oracle`` note of the label folders' ``meta.json`` (``omrl label --soft exact``
+    writes it) of any of ``files``, or "" when none was labelled by an oracle."""
+    from pathlib import Path
+
+    for f in files:
+        meta = Path(f).parent / "meta.json"
+        try:
+            note = json.loads(meta.read_text()).get("oracle") if meta.is_file() else None
+        except (OSError, ValueError):
+            note = None
+        if note:
+            return str(meta)
+    return ""
 
 
 # --- the command ------------------------------------------------------------------------------------
