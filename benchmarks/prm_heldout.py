@@ -8,8 +8,18 @@ of a step predict whether play from it succeeds? Labels are Monte-Carlo values f
 own finished leaves (``omrl label`` without extra rollouts); steps are counted once; "before the
 end" leaves out a finished row's last step, whose observation shows the outcome.
 
+``--labels exact`` scores against exact labels instead (Game24, Countdown: the env's solver says
+whether the state after each step can still be solved; a finished step is its success): the
+ground truth, free of the noise of Monte-Carlo values from a few leaves, so it tells whether a
+weak figure is the PRM's or the labels'. ``--labels q``: MCTS Q-values with proven wins/losses.
+
+``--mc-vs-exact`` (no PRM) scores the Monte-Carlo labels themselves against the exact ones on the
+same steps: how much of a PRM's shortfall the MC labels alone would explain.
+
     python benchmarks/prm_heldout.py --prm runs/loop-countdown/round_3/prm/model \
         runs/bench-loop-countdown/*/results.jsonl
+    python benchmarks/prm_heldout.py --labels exact --prm runs/loop-game24/round_3/prm/model \
+        runs/bench-loop-game24/*/results.jsonl
 
 Prints the figures, then as its last line one JSON object.
 """
@@ -23,21 +33,61 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+def mc_vs_exact(results_files):
+    """``{"results", "all", "before_end"}``: each distinct step's MC value (the tree's own
+    finished leaves) as the prediction, its exact label as the truth; steps without an MC value
+    are left out. None when no step has one."""
+    from omrl_search.result import read_results
+    from reward_models.labels import label_results
+    from reward_models.metrics import step_metrics
+    from train.loop_prm import reliability
+    from train.prm import unique_steps
+
+    results = [r for f in results_files for r in read_results(f)]
+    exact = {}
+    for row in label_results(results, soft="exact"):  # checks the envs first
+        for i, y in enumerate(row["soft_labels"]):
+            exact[(row["task_id"], tuple(row["completions"][:i + 1]))] = y
+    parts: dict = {"all": ([], []), "before_end": ([], [])}
+    for row, n, end in unique_steps(label_results(results, rollouts=0)):
+        pair = (row["soft_labels"][n - 1], exact[(row["task_id"], tuple(row["completions"][:n]))])
+        for part in ("all",) if end else ("all", "before_end"):
+            parts[part][0].append(pair[0])
+            parts[part][1].append(pair[1])
+    if not parts["all"][0]:
+        return None
+    return {"results": len(results), **{k: {**step_metrics(p, y), "calibration": reliability(p, y)}
+                                       for k, (p, y) in parts.items() if p}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", nargs="+", help="results.jsonl files of searches on held-out tasks")
-    ap.add_argument("--prm", required=True, help="a trained PRM folder")
+    ap.add_argument("--prm", help="a trained PRM folder (not with --mc-vs-exact)")
+    ap.add_argument("--mc-vs-exact", action="store_true",
+                    help="no PRM: the trees' own MC labels scored against exact labels")
+    ap.add_argument("--labels", choices=("mc", "q", "exact"), default="mc",
+                    help="what a step is scored against (default mc: the tree's own leaves; exact: "
+                         "the env's solver, Game24/Countdown)")
     args = ap.parse_args()
 
     from train.loop_prm import heldout
 
-    out = heldout(args.prm, args.results)
+    if args.mc_vs_exact == bool(args.prm):
+        ap.error("give --prm FOLDER or --mc-vs-exact (one of them)")
+    try:
+        out = (mc_vs_exact(args.results) if args.mc_vs_exact
+               else heldout(args.prm, args.results, labels=args.labels))
+    except ValueError as exc:  # e.g. an env without exact values: one line, exit 2
+        print(f"prm_heldout: error: {exc}", file=sys.stderr)
+        sys.exit(2)
     if out is None:
         sys.exit("prm_heldout: no labelled step in the results given")
+    out["labels"] = "mc-vs-exact" if args.mc_vs_exact else args.labels
     for part in ("all", "before_end"):
         if part in out:
             m = out[part]
-            print(f"{part:10} steps {m['calibration']['steps']:>5}  AUC {m.get('auc')}  "
+            print(f"{out['labels']:11} {part:10} steps {m['calibration']['steps']:>5}  AUC {m.get('auc')}  "
                   f"ECE {m['calibration']['ece']}")
     print(json.dumps(out))
 

@@ -16,6 +16,12 @@ bottom ``--keep-layers`` blocks, the top ``--train-layers`` of them and the head
 
     python benchmarks/prm_quality.py [--train-tasks 120] [--test-tasks 40] [--budget tokens=12000]
                                      [--keep-layers 4] [--train-layers 1] [--max-rows 600]
+                                     [--soft mc|q|exact] [--loss pointwise|pairwise] [--balance weight]
+
+``--soft`` picks the training labels (``exact`` is the env's solver: an oracle, so a PRM trained on
+it is a ceiling experiment, named so in the output), ``--loss`` / ``--margin`` / ``--balance`` the
+PRM loss (docs/reward_models.md). The held-out AUC is given against the MC labels of the test
+trees and against their exact labels (``test_auc_exact``).
 
 Prints tables, then as its last line one JSON object with every figure. Writes under --out
 (trees, labels, the PRM, metrics).
@@ -85,6 +91,11 @@ def main() -> None:
     ap.add_argument("--max-rows", type=int, default=600, help="training rows (a seeded sample)")
     ap.add_argument("--budget", default="tokens=12000", help="per-task budget of the searches")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--soft", choices=("mc", "q", "exact"), default="mc",
+                    help="training labels (exact: an oracle, a ceiling experiment)")
+    ap.add_argument("--loss", choices=("pointwise", "pairwise"), default="pointwise")
+    ap.add_argument("--margin", type=float, default=0.3, help="pairwise: least label gap")
+    ap.add_argument("--balance", choices=("none", "weight"), default="none")
     ap.add_argument("--out", default="runs/prm_quality")
     ap.add_argument("--reuse", action="store_true", help="reuse trees, labels and PRM found in --out")
     args = ap.parse_args()
@@ -115,9 +126,13 @@ def main() -> None:
     # 2. labels
     labels = out / "labels"
     if not (args.reuse and (labels / "train.parquet").is_file()):
-        run(["label", str(trees), "--out", str(labels), "--policy", policy,
+        run(["label", str(trees), "--out", str(labels), "--policy", policy, "--soft", args.soft,
              "--rollouts", str(args.rollouts), "--seed", str(args.seed), "--no-progress"])
     figures["labels"] = json.loads((labels / "meta.json").read_text())["splits"]
+    figures["training_labels"] = args.soft + (" (oracle: a ceiling experiment)" if args.soft == "exact" else "")
+    exact = out / "labels_exact"  # the yardstick: the env's solver on the same trees
+    if not (args.reuse and (exact / "test.parquet").is_file()):
+        run(["label", str(trees), "--out", str(exact), "--soft", "exact", "--no-progress"])
 
     # 3. train the PRM (train split only; validation = 10% of train tasks)
     prm_dir = out / "prm"
@@ -126,7 +141,8 @@ def main() -> None:
         run(["train", "prm", "--data", str(labels), "--base", args.base, "--out", str(prm_dir),
              "--keep-layers", str(args.keep_layers), "--train-layers", str(args.train_layers),
              "--epochs", str(args.epochs), "--lr", str(args.lr), "--batch-size", str(args.batch_size),
-             "--max-rows", str(args.max_rows), "--seed", str(args.seed), "--no-progress"])
+             "--max-rows", str(args.max_rows), "--seed", str(args.seed), "--loss", args.loss,
+             "--margin", str(args.margin), "--balance", args.balance, "--no-progress"])
     marker = json.loads((prm_dir / "omrl-train.json").read_text())
     figures["train"] = {"seconds": round(time.perf_counter() - t0, 1), "steps": marker["step"],
                         "rows": marker.get("train_rows"), "validation": marker.get("validation")}
@@ -142,6 +158,8 @@ def main() -> None:
     figures["test_auc"] = evaluate(prm, test_rows)
     figures["test_auc"]["seconds"] = round(time.perf_counter() - t0, 1)
     print("\ntest split, distinct steps:", json.dumps(figures["test_auc"]), flush=True)
+    figures["test_auc_exact"] = evaluate(prm, load_label_dir(exact, ["test"]))
+    print("test split against exact labels:", json.dumps(figures["test_auc_exact"]), flush=True)
 
     # 5. guided search on the test tasks at equal token budgets
     tasks = om.load_tasks("game24", "test", args.test_tasks)

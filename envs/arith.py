@@ -382,6 +382,16 @@ class ArithmeticEnv(ValueSnapshots, TextEnv):
         move = first_move(solve(s.numbers, s.target))
         return None if move is None else f"{fmt(move[0])} {move[1]} {fmt(move[2])}"
 
+    def exact_value(self) -> float:
+        """1.0 when the numbers left can still make the target (the exact solver), 0.0 when
+        not; a finished episode is its success. Any unfinished state has a step left, and
+        ``answer EXPR`` (accepted from any state) can spell a solution in one step, so the step
+        limit never turns a solvable state into a lost one."""
+        s = self._require()
+        if s.done:
+            return float(s.success)
+        return float(solvable(s.numbers, s.target))
+
     def action_grammar(self) -> str | None:
         """``a op b`` over two numbers left, or ``answer EXPR`` (see :mod:`envs._arith_lang`)."""
         s = self._require()

@@ -128,6 +128,14 @@ class Env(ABC):
         None when the env has nothing to say (or refuses the action)."""
         return None
 
+    def exact_value(self) -> float | None:
+        """Optional capability: 1.0 when the task can still be solved from the current state,
+        0.0 when it cannot, decided exactly (a solver, no sampling); a finished episode is its
+        success. Only envs that can decide it override this (Game24 and Countdown do, see
+        :func:`offers_exact_value`); exact labels and the held-out yardstick read it
+        (docs/reward_models.md). None: the env cannot tell."""
+        return None
+
     def close(self) -> None:
         """Release resources (processes, files)."""
 
@@ -146,6 +154,14 @@ class Env(ABC):
     def load_tasks(cls, path: str | Path) -> list[Task]:
         """Load user tasks from JSONL; a bad line raises :class:`TaskFileError` as ``file:line: reason``."""
         return load_task_file(path, cls.task_from_dict)
+
+
+def offers_exact_value(env: "Env | type[Env]") -> bool:
+    """Whether ``env`` (an env, a :class:`ReplayEnv` around one, or an env class) offers
+    :meth:`Env.exact_value`: its class overrides it."""
+    env = getattr(env, "inner", env)
+    cls = env if isinstance(env, type) else type(env)
+    return getattr(cls, "exact_value", Env.exact_value) is not Env.exact_value
 
 
 def load_task_file(path: str | Path, parse: Callable[[dict[str, Any]], Task]) -> list[Task]:
@@ -309,6 +325,9 @@ class ReplayEnv(Env):
 
     def explain(self, action: str, rng: Any = None) -> str | None:
         return self.inner.explain(action, rng)
+
+    def exact_value(self) -> float | None:
+        return self.inner.exact_value()
 
     def close(self) -> None:
         self.inner.close()

@@ -34,12 +34,15 @@ def _soft(mc: float | None, q: float | None, how: str) -> float | None:
 
 def prm_rows(results: Iterable[SearchResult], *, soft: str = "mc", threshold: float = 0.5,
              tree_leaves: bool = True, extra: dict[tuple[int, int], tuple[int, int]] | None = None,
-             segments: bool = True, tokenizer: TurnEncoder | None = None) -> list[dict[str, Any]]:
+             segments: bool = True, tokenizer: TurnEncoder | None = None,
+             override: dict[tuple[int, int], float] | None = None) -> list[dict[str, Any]]:
     """PRM label rows, one per labelled root-to-leaf path. A step's Monte-Carlo value is the
     share of successful finished leaves below its node (``tree_leaves``) plus ``extra`` rollouts
     (``{(result index, node id): (successes, rollouts)}``, what ``omrl label`` samples); a
     terminal step's value is its own success. ``soft_labels`` per ``soft``, ``labels`` =
-    ``soft_labels >= threshold``; a path is cut before its first step without a value."""
+    ``soft_labels >= threshold``; a path is cut before its first step without a value.
+    ``override`` (``{(result index, node id): value}``, e.g. exact labels) replaces the
+    ``soft`` choice for every node it holds; the others keep it."""
     if soft not in SOFT:
         raise ExportError(f"soft must be one of {', '.join(SOFT)}, got {soft!r}")
     if not 0.0 < threshold <= 1.0:
@@ -58,7 +61,8 @@ def prm_rows(results: Iterable[SearchResult], *, soft: str = "mc", threshold: fl
                 n_mc.append(count)
                 q.append(min(max(node.value_sum / node.visits, 0.0), 1.0) if node.visits else None)
                 visits.append(node.visits)
-            target = [_soft(m, qv, soft) for m, qv in zip(mc, q)]
+            target = [_soft(m, qv, soft) if override is None or (i, n.id) not in override
+                      else override[(i, n.id)] for n, m, qv in zip(path, mc, q)]
             cut = target.index(None) if None in target else len(target)
             if cut == 0:
                 continue

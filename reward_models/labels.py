@@ -18,11 +18,20 @@ prunes left out):
   rebuilt by replaying the recorded completions in the env and checked against the recorded state
   keys. Leaves of a search are chosen by the search, so values from them lean towards the search's
   own preferences; fresh rollouts are samples of the policy itself.
-* **Q-value** where the node has MCTS visits: value sum / visits.
+* **Q-value** where the node has MCTS visits: value sum / visits (the ``q_values`` column).
+  As a label (``--soft q``, :func:`q_labels`) solver-proven values replace it: a node with a
+  solved finished leaf below it is a proven win (1.0: the env is deterministic and single-player,
+  so the way down is a way to win), a finished step that failed a proven loss (0.0); a node with
+  neither visits nor a proof keeps its MC value.
+* **Exact value** (``--soft exact``, :func:`exact_labels`), for envs that offer
+  :meth:`omrl_search.env.Env.exact_value` (Game24, Countdown): 1.0 when the state after the step
+  can still be solved, 0.0 when not; a finished step is its success. Every step gets one, so no
+  path is cut. It is an oracle the loop has on no other env: as *training* labels it is a ceiling
+  experiment, never the loop's default.
 
-``soft_labels`` is the MC value (``--soft mc``), the Q-value where there is one (``q``), or the
-mean of the two (``mean``); ``labels`` is ``soft_labels >= --threshold``. A terminal step's MC
-value is its own success.
+``soft_labels`` is the MC value (``--soft mc``), the Q-value where there is one (``q``), the
+mean of MC and the plain Q-value (``mean``) or the exact value (``exact``); ``labels`` is
+``soft_labels >= --threshold``. A terminal step's MC value is its own success.
 """
 from __future__ import annotations
 
@@ -96,6 +105,82 @@ class RolloutCompleter(Strategy):
                 target.successes += bool(leaf.success)
 
 
+# --- Q and exact labels ------------------------------------------------------------------------------
+KINDS = SOFT + ("exact",)  # what ``omrl label --soft`` accepts
+
+
+def q_labels(results: Sequence[Any]) -> dict[tuple[int, int], float]:
+    """``{(result index, node id): Q}``: a finished step is its success (a proven win or loss),
+    a node with a solved finished leaf below it is a proven win (1.0), any other node with MCTS
+    visits its visit-weighted mean return (value sum / visits, clipped to [0, 1]). Nodes with
+    neither are absent (their rows keep the MC value there)."""
+    from omrl_search.tree import FAILED
+
+    out: dict[tuple[int, int], float] = {}
+    for i, res in enumerate(results):
+        nodes = res.tree.nodes
+        won: set[int] = set()
+        for n in nodes:
+            if n.terminal and n.success and n.status != FAILED:
+                up: int | None = n.id
+                while up is not None and up not in won:
+                    won.add(up)
+                    up = nodes[up].parent
+        for n in nodes[1:]:
+            if n.id in won:
+                out[(i, n.id)] = 1.0
+            elif n.terminal:
+                out[(i, n.id)] = 0.0
+            elif n.visits:
+                out[(i, n.id)] = min(max(n.value_sum / n.visits, 0.0), 1.0)
+    return out
+
+
+def check_exact(env_names: Iterable[str]) -> None:
+    """One ValueError line naming the first env that cannot compute exact values."""
+    from omrl_search.env import env_class, offers_exact_value
+
+    for name in sorted(set(env_names)):
+        if not offers_exact_value(env_class(name)):
+            raise ValueError(f"env {name!r} cannot compute exact values (--soft exact / --labels "
+                             "exact need an env offering Env.exact_value, e.g. game24 or countdown)")
+
+
+def exact_labels(results: Sequence[Any]) -> dict[tuple[int, int], float]:
+    """``{(result index, node id): exact value}`` for every stepped node of every tree: each
+    tree's env is reset to its task and the recorded actions replayed (checked against the
+    recorded state keys; a malformed step, which never reached the env, keeps its parent's
+    state); a finished step is its success, any other the env's
+    :meth:`~omrl_search.env.Env.exact_value`."""
+    from omrl_search.env import make_env
+    from omrl_search.tree import FAILED
+
+    check_exact(r.task.env for r in results)
+    envs: dict[str, Any] = {}
+    out: dict[tuple[int, int], float] = {}
+    for i, res in enumerate(results):
+        tree = res.tree
+        env = envs.get(tree.task.env) or envs.setdefault(tree.task.env, make_env(tree.task.env))
+        env.reset(tree.task)
+        states = {0: env.snapshot()}
+        for n in tree.nodes[1:]:  # parents come before their children
+            parent = tree.nodes[n.parent]
+            if n.status == FAILED or n.step is None or parent.id not in states:
+                continue
+            if n.terminal:
+                out[(i, n.id)] = float(n.success)
+                continue
+            env.restore(states[parent.id])
+            if not (n.state_key and n.state_key == parent.state_key):  # a malformed step: no env step
+                env.step(n.step.action)
+                if n.state_key and env.state_key() != n.state_key:
+                    raise ValueError(f"replay of {tree.task.task_id} diverged from the recorded tree "
+                                     f"at node {n.id}")
+            states[n.id] = env.snapshot()
+            out[(i, n.id)] = float(env.exact_value())
+    return out
+
+
 # --- labelling -------------------------------------------------------------------------------------
 def label_results(results: Iterable[Any], *, policy: Any = None, rollouts: int = 4,
                   soft: str = "mc", threshold: float = 0.5, tree_leaves: bool = True,
@@ -108,11 +193,14 @@ def label_results(results: Iterable[Any], *, policy: Any = None, rollouts: int =
     from omrl_search.api import search_many
     from omrl_search.exports import SOFT, finished_below, label_paths, prm_rows
 
-    if soft not in SOFT:
-        raise ValueError(f"soft must be one of {', '.join(SOFT)}, got {soft!r}")
+    if soft not in KINDS:
+        raise ValueError(f"soft must be one of {', '.join(KINDS)}, got {soft!r}")
     if rollouts < 0 or not 0.0 < threshold <= 1.0:
         raise ValueError("need rollouts >= 0 and 0 < threshold <= 1")
     results = list(results)
+    override = exact_labels(results) if soft == "exact" else q_labels(results) if soft == "q" else None
+    if soft == "exact":
+        policy = None  # every step has its value: no rollouts to complete
     plans: dict[str, list[_Target]] = {}
     tasks: dict[str, Any] = {}
     targets: dict[tuple[int, int], _Target] = {}
@@ -137,8 +225,9 @@ def label_results(results: Iterable[Any], *, policy: Any = None, rollouts: int =
         if bad:
             raise ValueError(f"completing rollouts failed: {bad[0]}")
     extra = {key: (t.successes, t.done) for key, t in targets.items()}
-    return prm_rows(results, soft=soft, threshold=threshold, tree_leaves=tree_leaves, extra=extra,
-                    segments=segments, tokenizer=tokenizer)
+    return prm_rows(results, soft="mc" if soft == "exact" else soft, threshold=threshold,
+                    tree_leaves=tree_leaves, extra=extra, segments=segments, tokenizer=tokenizer,
+                    override=override)
 
 
 # --- the command -------------------------------------------------------------------------------------
@@ -151,7 +240,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rollouts", type=int, default=4, help="rollouts wanted per step (default 4)")
     p.add_argument("--no-tree-leaves", action="store_true",
                    help="do not count the tree's own finished leaves as rollouts")
-    p.add_argument("--soft", choices=SOFT, default="mc", help="what soft_labels holds (default mc)")
+    p.add_argument("--soft", choices=KINDS, default="mc",
+                   help="what soft_labels holds (default mc; q: MCTS Q with proven wins/losses; "
+                        "exact: the env's exact value, an oracle: as training labels a ceiling experiment)")
     p.add_argument("--threshold", type=float, default=0.5, help="labels = soft_labels >= this")
     p.add_argument("--no-segments", action="store_true", help="leave the token-id segments out")
     p.add_argument("--max-depth", type=int, default=None, help="rollout depth (default: env's)")
@@ -204,10 +295,12 @@ def run(args: argparse.Namespace) -> int:
     results = [r for f in _result_files(args.results) for r in read_results(f)]
     if not results:
         raise ValueError("the results files hold no searches")
+    if args.soft == "exact":
+        check_exact(r.task.env for r in results)  # before any tokenizer or policy is loaded
     from omrl_search.exports import load_encoder
 
     encoder = load_encoder(args.tokenizer) if args.tokenizer else None
-    policy = make_policy(args.policy) if args.policy else None
+    policy = make_policy(args.policy) if args.policy and args.soft != "exact" else None
     t0 = time.perf_counter()
     rows = label_results(
         results, policy=policy, rollouts=args.rollouts, soft=args.soft, threshold=args.threshold,
@@ -218,6 +311,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("no labelled steps: the trees have no finished rollouts (give --policy)")
     written = write_labels(rows, out)
     meta = summarize_rows(rows)
+    if args.soft == "exact":
+        meta["oracle"] = ("exact labels: the env's solver, which the loop has on no other env; "
+                          "as training labels a ceiling experiment")
+        print("note: exact labels are an oracle; training on them is a ceiling experiment", file=sys.stderr)
     meta.update(seconds=round(time.perf_counter() - t0, 2), files=written,
                 args={k: v for k, v in vars(args).items() if k not in ("func",)})
     (out / "meta.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")

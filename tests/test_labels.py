@@ -74,9 +74,17 @@ def test_soft_q_and_mean_and_determinism(mcts_results):
     a = label_results(mcts_results, policy="scripted:oracle:p=0.6", rollouts=2, soft="q", seed=1)
     b = label_results(mcts_results, policy="scripted:oracle:p=0.6", rollouts=2, soft="q", seed=1)
     assert a == b
+    proven = 0
     for row in a:
-        for soft, q, mc in zip(row["soft_labels"], row["q_values"], row["mc_values"]):
-            assert soft == (q if q is not None else mc)
+        for i, (soft, q, mc) in enumerate(zip(row["soft_labels"], row["q_values"], row["mc_values"])):
+            last = i == len(row["completions"]) - 1
+            if last and row["terminal"]:
+                assert soft == float(row["success"])  # a finished step is proven
+            elif soft == 1.0 and q is not None and q != 1.0:
+                proven += 1  # a solved leaf below: a proven win above its mean return
+            else:
+                assert soft == pytest.approx(q if q is not None else mc)  # no visits: MC
+    assert proven > 0
     m = label_results(mcts_results, policy="scripted:oracle:p=0.6", rollouts=2, soft="mean", seed=1)
     row = next(r for r in m if r["q_values"][0] is not None)
     assert row["soft_labels"][0] == pytest.approx((row["q_values"][0] + row["mc_values"][0]) / 2)

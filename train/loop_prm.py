@@ -61,18 +61,20 @@ def calibration(model_dir: str | Path, label_dirs: Sequence[str], val_fraction: 
     return {"all": reliability(preds, gold), "before_end": reliability(ip, iy) if ip else None}
 
 
-def heldout(model_dir: str | Path, results_files: Sequence[str | Path]) -> dict[str, Any] | None:
+def heldout(model_dir: str | Path, results_files: Sequence[str | Path], labels: str = "mc"
+            ) -> dict[str, Any] | None:
     """Step AUC and calibration of the PRM in ``model_dir`` on the search trees of
     ``results_files`` (held-out tasks), labelled by Monte-Carlo values of each tree's own finished
     leaves (no extra rollouts): ``{"results", "all": metrics, "before_end": metrics}``, each
-    metrics dict ``step_metrics`` plus ``calibration``; None when no step is labelled."""
+    metrics dict ``step_metrics`` plus ``calibration``; None when no step is labelled.
+    ``labels``: an ``omrl label --soft`` kind (``exact``: the env's solver)."""
     from omrl_search.result import read_results
     from reward_models.labels import label_results
     from reward_models.metrics import step_metrics
     from reward_models.prm import ProcessRewardModel
 
     results = [r for f in results_files for r in read_results(f)]
-    rows = label_results(results, rollouts=0)
+    rows = label_results(results, rollouts=0, soft=labels)
     if not rows:
         return None
     prm = ProcessRewardModel.from_pretrained(str(model_dir), device="cpu", dtype="float32")

@@ -12,6 +12,9 @@ name them):
   ``sft``, ``grpo``, ``ppo``);
 * :data:`DPO_LOSSES` — the DPO family on the log-ratio margin (``loss:`` in ``dpo``); an entry
   registered with ``mean_logps=True`` gets per-token *mean* sequence log-probabilities;
+* :data:`PRM_LOSSES` — process-reward-model losses (``loss:`` in ``prm``): ``pointwise`` on each
+  step's logit against its soft label, and ``pairwise`` (registered with ``pairs=True``) on the
+  logits of two sibling steps, the better one first;
 * :data:`ADVANTAGES` — advantage estimators (``advantage:`` in ``grpo``, ``ppo``): group
   estimators ``f(rewards[B], group_ids[B]) -> [B]``, and, registered with
   ``needs_values=True``, value-based ones ``f(rewards[B, T], values[B, T], mask, *, gamma, lam)
@@ -71,6 +74,7 @@ class Registry(dict):
 AGGREGATIONS = Registry("loss aggregation")
 DPO_LOSSES = Registry("DPO loss")
 ADVANTAGES = Registry("advantage estimator")
+PRM_LOSSES = Registry("PRM loss")
 
 
 # --- log-probabilities and aggregation -------------------------------------------------------------
@@ -153,6 +157,28 @@ def dpo_ipo(delta: Tensor, *, beta: float, label_smoothing: float = 0.0) -> Tens
     """IPO (Azar et al. 2023), on per-token *mean* log-probabilities, as the IPO authors and TRL
     do, so ``beta`` does not depend on length."""
     return (delta - 1 / (2 * beta)) ** 2
+
+
+# --- process reward models ------------------------------------------------------------------------
+@PRM_LOSSES.register("pointwise", pairs=False)
+def prm_pointwise(logits: Tensor, targets: Tensor, mask: Tensor, *, pos_weight: float = 1.0) -> Tensor:
+    """Binary cross-entropy of step logits ``[B, S]`` against soft targets in [0, 1], mean over
+    the masked steps; ``pos_weight`` multiplies the positive term (class balancing: a set with
+    2% positive steps passes about 49 so both classes weigh the same)."""
+    pw = torch.tensor(float(pos_weight), dtype=torch.float32, device=logits.device)
+    loss = F.binary_cross_entropy_with_logits(logits.float(), targets.float(), reduction="none",
+                                              pos_weight=pw)
+    m = mask.float()
+    return (loss * m).sum() / m.sum().clamp(min=1.0)
+
+
+@PRM_LOSSES.register("pairwise", pairs=True)
+def prm_pairwise(chosen: Tensor, rejected: Tensor) -> Tensor:
+    """Bradley-Terry loss between sibling steps (rStar-Math's process preference model): the
+    mean of ``-log sigmoid(chosen - rejected)`` over ``[P]`` pairs of step logits, the step with
+    the higher value first. Only the difference is trained, so noisy absolute values (a Q of
+    0.4 vs 0.5 from a handful of visits) do not become regression targets."""
+    return F.softplus(rejected.float() - chosen.float()).mean()
 
 
 # --- policy gradient -----------------------------------------------------------------------------

@@ -8,6 +8,15 @@ backbone is slow on a CPU) and minimises binary cross-entropy between the head's
 step and the step's soft label (a float in [0, 1], never rounded). ``objective: outcome`` trains
 an ORM instead: the last step of each row only.
 
+Losses by name (``--loss``, :data:`train.losses.PRM_LOSSES`): ``pointwise`` (the BCE above;
+``balance: weight`` multiplies the positive term by negatives/positives of the training steps,
+for sets with 2-3% positive steps — weighting, not sampling, because rows are whole paths whose
+steps share prefixes: resampling rows cannot balance steps, and duplicating rare positive paths
+repeats their negative steps too) and ``pairwise`` (rStar-Math's process preference model: a
+Bradley-Terry loss between *sibling* steps — distinct next steps after the same prefix — whose
+soft labels (Q values from ``omrl label --soft q``, or any other kind) differ by at least
+``margin``; the step's logit is read where the pointwise loss reads it).
+
 Data: rows of split ``train`` train; a ``validation`` split is the validation set when the folder
 has one, otherwise ``val_fraction`` of the train *tasks* (by a stable hash of the task id, so
 no task is in both). Rows of other splits (``test``) are never read here: they are held out for
@@ -44,30 +53,93 @@ class PRMConfig(TrainConfig):
     eval_every: int = Field(0, ge=0)  # optimizer steps between validations (0: only at the end)
     threshold: float = Field(0.5, gt=0.0, le=1.0)  # positive step: soft label >= threshold
     max_rows: int | None = Field(None, ge=1)  # train on a seeded random sample of this many rows
+    loss: Literal["pointwise", "pairwise"] = "pointwise"  # train.losses.PRM_LOSSES
+    margin: float = Field(0.3, gt=0.0, le=1.0)  # pairwise: least label gap between siblings
+    balance: Literal["none", "weight"] = "none"  # pointwise: weight positives by neg/pos
 
 
 # --- the loss -------------------------------------------------------------------------------------
-def prm_bce_loss(logits: Any, targets: Any, mask: Any) -> Any:
-    """Mean binary cross-entropy with logits over the masked steps; soft targets in [0, 1]."""
-    import torch
+def prm_bce_loss(logits: Any, targets: Any, mask: Any, pos_weight: float = 1.0) -> Any:
+    """Mean binary cross-entropy with logits over the masked steps; soft targets in [0, 1]
+    (:func:`train.losses.prm_pointwise`)."""
+    from .losses import prm_pointwise
 
-    loss = torch.nn.functional.binary_cross_entropy_with_logits(
-        logits.float(), targets.float(), reduction="none")
-    m = mask.float()
-    return (loss * m).sum() / m.sum().clamp(min=1.0)
+    return prm_pointwise(logits, targets, mask, pos_weight=pos_weight)
 
 
-def make_loss_fn(threshold: float = 0.5):
+def make_loss_fn(threshold: float = 0.5, loss: str = "pointwise", pos_weight: float = 1.0):
+    """The runner's loss function for the PRM loss named ``loss``: pointwise batches hold rows
+    (``targets``), pairwise batches ``2P`` sequences, the ``P`` chosen ones first, each scored
+    at its last step."""
+    from .losses import PRM_LOSSES
+
+    fn = PRM_LOSSES[loss]
+
     def loss_fn(model: Any, batch: dict[str, Any]) -> tuple[Any, dict[str, float]]:
         logits = model(batch["input_ids"], batch["attention_mask"], batch["positions"])
         mask = batch["step_mask"]
-        loss = prm_bce_loss(logits, batch["targets"], mask)
-        with_steps = mask.sum().clamp(min=1)
+        tokens = float(batch["attention_mask"].sum())
+        if getattr(fn, "pairs", False):
+            last = logits.gather(1, (mask.sum(1, keepdim=True) - 1).clamp(min=0)).squeeze(1)
+            P = last.shape[0] // 2
+            out = fn(last[:P], last[P:])
+            return out, {"tokens": tokens, "accuracy": float((last[:P] > last[P:]).float().mean())}
+        out = fn(logits, batch["targets"], mask, pos_weight=pos_weight)
         hit = ((logits.detach() >= 0) == (batch["targets"] >= threshold)) & mask
-        return loss, {"tokens": float(batch["attention_mask"].sum()),
-                      "accuracy": float(hit.sum() / with_steps)}
+        return out, {"tokens": tokens, "accuracy": float(hit.sum() / mask.sum().clamp(min=1))}
 
     return loss_fn
+
+
+def positive_weight(examples: Sequence[tuple]) -> float:
+    """Negatives / positives over the soft targets of ``(ids, positions, targets)`` examples
+    (1.0 when either class is missing): the ``balance: weight`` factor."""
+    pos = sum(y for *_, ys in examples for y in ys)
+    neg = sum(1.0 - y for *_, ys in examples for y in ys)
+    return neg / pos if pos > 0 and neg > 0 else 1.0
+
+
+def sibling_pairs(rows: Sequence[dict[str, Any]], margin: float) -> list[tuple[tuple, tuple]]:
+    """``((row, steps), (row, steps))`` pairs of sibling steps (distinct next steps after the
+    same prefix of the same task, each counted once), the one with the higher soft label first,
+    whose soft labels differ by at least ``margin``. Siblings of a finished row's last step are
+    paired too: its outcome is part of what it is judged by, as at any other step."""
+    groups: dict[tuple, list[tuple[dict[str, Any], int, float]]] = {}
+    for row, n, _ in unique_steps(rows):
+        parent = (row["task_id"], tuple(row["completions"][:n - 1]))
+        groups.setdefault(parent, []).append((row, n, float(row["soft_labels"][n - 1])))
+    out = []
+    for kids in groups.values():
+        for a in range(len(kids)):
+            for b in range(a + 1, len(kids)):
+                (ra, na, ya), (rb, nb, yb) = kids[a], kids[b]
+                if abs(ya - yb) >= margin - 1e-12:
+                    out.append(((ra, na), (rb, nb)) if ya > yb else ((rb, nb), (ra, na)))
+    return out
+
+
+def build_pair_examples(prm: Any, rows: Sequence[dict[str, Any]], margin: float) -> list[tuple]:
+    """``(ids, positions, ids, positions)`` per sibling pair (:func:`sibling_pairs`): each side
+    the row cut after its step, encoded with the reward model's own encoder."""
+    from reward_models.inputs import episode_from_row, truncate
+
+    encoded: dict[tuple[int, int], tuple] = {}
+
+    def enc(row: dict[str, Any], n: int) -> tuple:
+        key = (id(row), n)
+        if key not in encoded:
+            encoded[key] = prm.encoder.encode(truncate(episode_from_row(row), n))
+        return encoded[key]
+
+    return [(*enc(*w), *enc(*lo)) for w, lo in sibling_pairs(rows, margin)]
+
+
+def make_pair_collate(prm: Any):
+    def collate(examples: list[tuple]) -> dict[str, Any]:
+        seqs = [(e[0], e[1]) for e in examples] + [(e[2], e[3]) for e in examples]
+        return prm.collate(seqs, device="cpu")
+
+    return collate
 
 
 # --- data -------------------------------------------------------------------------------------------
@@ -180,6 +252,8 @@ def build(cfg: PRMConfig, rows: list[dict[str, Any]]) -> tuple[Runner, Any, list
     """The runner, the reward model, and the train / validation rows."""
     from reward_models.prm import ProcessRewardModel
 
+    if cfg.loss == "pairwise" and cfg.objective == "outcome":
+        raise TrainError("loss pairwise compares sibling steps: it trains a PRM (objective process)")
     train_rows, val_rows = split_rows(rows, cfg.val_fraction)
     if not train_rows:
         raise TrainError("no rows of split 'train' in the label data")
@@ -198,20 +272,29 @@ def build(cfg: PRMConfig, rows: list[dict[str, Any]]) -> tuple[Runner, Any, list
     except ValueError as exc:
         raise TrainError(str(exc)) from None
     trainable = prm.model.freeze(cfg.train_layers)
-    examples = build_examples(prm, train_rows, cfg.objective)
+    pos_weight = 1.0
+    if cfg.loss == "pairwise":
+        examples = build_pair_examples(prm, train_rows, cfg.margin)
+        collate, what = make_pair_collate(prm), f"sibling pairs (label gap >= {cfg.margin})"
+    else:
+        examples = build_examples(prm, train_rows, cfg.objective)
+        collate, what = make_collate(prm), "training rows"
+        if cfg.balance == "weight":
+            pos_weight = positive_weight(examples)
     if len(examples) < cfg.batch_size:
-        raise TrainError(f"{len(examples)} training rows cannot fill a batch of {cfg.batch_size}")
+        raise TrainError(f"{len(examples)} {what} cannot fill a batch of {cfg.batch_size}")
     source = ListSource(examples, cfg.batch_size, seed=cfg.seed)
 
     def on_step(runner: Runner, metrics: dict[str, float]) -> None:
         if cfg.eval_every and runner.step % cfg.eval_every == 0 and runner.step < runner.max_steps:
             _validate(runner, prm, val_rows, cfg)
 
-    runner = Runner(cfg, prm.model, make_loss_fn(cfg.threshold), source, make_collate(prm),
+    runner = Runner(cfg, prm.model, make_loss_fn(cfg.threshold, cfg.loss, pos_weight), source, collate,
                     save_fn=lambda model, folder: prm.write_files(folder),
                     load_fn=lambda model, folder: prm.load_weights(folder),
                     on_step=on_step, kind="prm")
     runner.trainable_parameters = trainable  # type: ignore[attr-defined]
+    runner.examples = len(examples)  # type: ignore[attr-defined]
     return runner, prm, train_rows, val_rows
 
 
@@ -245,14 +328,34 @@ def train(cfg: PRMConfig) -> dict[str, Any]:
         raise TrainError(str(exc)) from None
     cfg = cfg.model_copy(update={"data": files})
     runner, prm, train_rows, val_rows = build(cfg, rows)
-    print(f"prm: {len(train_rows)} train rows ({sum(len(r['completions']) for r in train_rows)} steps), "
+    print(f"prm ({cfg.loss}): {runner.examples} examples from {len(train_rows)} train rows ({sum(len(r['completions']) for r in train_rows)} steps), "
           f"{len(val_rows)} validation rows, {runner.trainable_parameters:,} trainable parameters, "
           f"{runner.max_steps} steps on {runner.device}", file=sys.stderr, flush=True)
+    oracle = oracle_labels(cfg.data)
+    if oracle:
+        print(f"prm: trained on exact (oracle) labels: a ceiling experiment ({oracle})",
+              file=sys.stderr, flush=True)
     last = runner.train()
     val = _validate(runner, prm, val_rows, cfg)
     runner.write_marker(validation=val, train_rows=len(train_rows), val_rows=len(val_rows),
-                        reward_model=prm.config())
+                        reward_model=prm.config(), oracle_labels=oracle or None)
     return {"train": last, "validation": val}
+
+
+def oracle_labels(files: Sequence[str]) -> str:
+    """The ``oracle`` note of the label folders' ``meta.json`` (``omrl label --soft exact``
+    writes it) of any of ``files``, or "" when none was labelled by an oracle."""
+    from pathlib import Path
+
+    for f in files:
+        meta = Path(f).parent / "meta.json"
+        try:
+            note = json.loads(meta.read_text()).get("oracle") if meta.is_file() else None
+        except (OSError, ValueError):
+            note = None
+        if note:
+            return str(meta)
+    return ""
 
 
 # --- the command ------------------------------------------------------------------------------------
@@ -271,6 +374,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                      ("--val-fraction", {"type": float}), ("--eval-every", {"type": int}),
                      ("--save-every", {"type": int}), ("--seed", {"type": int}),
                      ("--objective", {"choices": ["process", "outcome"]}),
+                     ("--loss", {"choices": ["pointwise", "pairwise"]}),
+                     ("--margin", {"type": float}), ("--balance", {"choices": ["none", "weight"]}),
                      ("--read", {"choices": ["observation", "step"]}),
                      ("--device", {}), ("--dtype", {"choices": ["auto", "float32", "bfloat16"]})):
         p.add_argument(flag, default=None, **kw)
@@ -283,7 +388,8 @@ def config_from_args(args: argparse.Namespace) -> PRMConfig:
     cfg = PRMConfig.from_sources(args.config, list(args.set))
     flags: dict[str, Any] = {"model": args.base, "out": args.out, "data": list(args.data)}
     for key in ("epochs", "lr", "batch_size", "max_steps", "keep_layers", "train_layers", "max_rows",
-                "val_fraction", "eval_every", "save_every", "seed", "objective", "read", "device", "dtype"):
+                "val_fraction", "eval_every", "save_every", "seed", "objective", "read", "device", "dtype",
+                "loss", "margin", "balance"):
         if getattr(args, key, None) is not None:
             flags[key] = getattr(args, key)
     if args.resume:

@@ -1,0 +1,224 @@
+"""Exact values (the optional Env capability) and the label kinds built on them: ``exact`` from
+the env's solver, ``q`` from MCTS trees with solver-proven wins and losses."""
+from __future__ import annotations
+
+import random
+from fractions import Fraction
+
+import pytest
+
+import omrl_search as om
+from envs.arith import solvable
+from omrl_search.env import ReplayEnv, make_env, offers_exact_value
+from omrl_search.tree import SearchTree
+from omrl_search.types import Step
+
+
+def _random_walk(env, rng, steps):
+    for _ in range(steps):
+        acts = env.valid_actions()
+        if not acts:
+            break
+        env.step(rng.choice(acts))
+
+
+@pytest.mark.parametrize("name", ["game24", "countdown"])
+def test_exact_value_is_solvable_on_random_states(name):
+    env, rng = make_env(name), random.Random(7)
+    seen = set()
+    for task in om.load_tasks(name, "train", limit=25):
+        for depth in range(3):
+            env.reset(task)
+            _random_walk(env, rng, depth)
+            s = env.state
+            want = float(s.success) if s.done else float(solvable(s.numbers, s.target))
+            assert env.exact_value() == want
+            seen.add(want)
+    assert seen == {0.0, 1.0}  # both verdicts met
+
+
+def test_a_finished_state_is_its_success():
+    env = make_env("game24")
+    env.reset(om.load_tasks("game24", "train", limit=1)[0])
+    env.step(f"answer {'+'.join(str(x) for x in env.state.original)}")  # wrong unless it sums to 24
+    assert env.state.done and env.exact_value() == float(env.state.success)
+
+
+def test_only_envs_that_can_offer_it():
+    assert offers_exact_value(make_env("game24")) and offers_exact_value(make_env("countdown"))
+    assert offers_exact_value(ReplayEnv(make_env("game24")))
+    assert not offers_exact_value(make_env("sokoban"))
+    assert make_env("sokoban").exact_value() is None
+
+
+@pytest.fixture(scope="module")
+def trees():
+    tasks = om.load_tasks("game24", "train", limit=6)
+    return om.search_many(tasks, strategy="mcts:simulations=8,value=rollout,k=2",
+                          policy="scripted:oracle:p=0.6", seed=3)
+
+
+def _numbers_left(observation: str) -> list[Fraction]:
+    board = observation.rsplit("Numbers left:", 1)[1].split("|")[0]
+    return [Fraction(x) for x in board.split()]
+
+
+def test_exact_labels_are_solvability_after_each_step(trees):
+    from reward_models.labels import label_results
+
+    rows = label_results(trees, soft="exact")
+    checked = 0
+    for row in rows:
+        for i, (obs, y) in enumerate(zip(row["observations"], row["soft_labels"])):
+            last = i == len(row["completions"]) - 1
+            if last and row["terminal"]:
+                assert y == float(row["success"])
+                continue
+            assert y == float(solvable(_numbers_left(obs), 24)), (row["completions"][:i + 1], obs)
+            assert row["labels"][i] == (y >= 0.5)
+            checked += 1
+    assert checked > 20 and {0.0, 1.0} <= {y for r in rows for y in r["soft_labels"]}
+    # every labelled path is whole: exact values never cut a path
+    from omrl_search.exports import label_paths
+    assert len(rows) == sum(len(label_paths(r.tree)) for r in trees)
+
+
+def test_exact_labels_refuse_an_env_without_the_capability(tmp_path, capsys):
+    from omrl_search.cli import main
+
+    run = tmp_path / "run"
+    assert main(["search", "--env", "sokoban", "--split", "test", "--limit", "1", "--policy",
+                 "scripted:oracle:p=0.5", "--strategy", "react", "--out", str(run),
+                 "--no-progress"]) == 0
+    out = tmp_path / "labels"
+    assert main(["label", str(run), "--out", str(out), "--soft", "exact"]) == 2
+    err = capsys.readouterr().err
+    assert "'sokoban' cannot compute exact values" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_exact_label_command_marks_the_oracle(tmp_path, capsys):
+    import json
+
+    from omrl_search.cli import main
+
+    run = tmp_path / "run"
+    assert main(["search", "--env", "countdown", "--split", "test", "--limit", "2", "--policy",
+                 "scripted:oracle:p=0.5", "--strategy", "beam:width=2,k=2", "--out", str(run),
+                 "--no-progress"]) == 0
+    out = tmp_path / "labels"
+    assert main(["label", str(run), "--out", str(out), "--soft", "exact", "--no-progress"]) == 0
+    assert "ceiling experiment" in capsys.readouterr().err
+    assert "oracle" in json.loads((out / "meta.json").read_text())
+
+
+def _toy_tree():
+    """root -> a (visited 4, value 1.0) -> a1 solved; root -> b (visited 4, value 1.2, clipped)
+    -> b1 failed; root -> c (visited 2, value 0.5), open."""
+    task = om.load_tasks("game24", "train", limit=1)[0]
+    tree = SearchTree(task, "obs", None)
+    def add(parent, text, visits, value, terminal=False, success=False):
+        n = tree.add_child(parent, Step(text, "", text, "o"), None, text)
+        n.visits, n.value_sum, n.terminal, n.success = visits, value, terminal, success
+        return n
+    a = add(tree.root, "a", 4, 1.0)
+    a1 = add(a, "a1", 1, 1.0, terminal=True, success=True)
+    b = add(tree.root, "b", 4, 1.2 * 4)
+    b1 = add(b, "b1", 1, 0.0, terminal=True)
+    c = add(tree.root, "c", 2, 1.0)
+    d = add(tree.root, "d", 0, 0.0)
+    return tree, (a, a1, b, b1, c, d)
+
+
+def test_q_labels_on_a_toy_tree():
+    from reward_models.labels import q_labels
+
+    tree, (a, a1, b, b1, c, d) = _toy_tree()
+    res = type("R", (), {"tree": tree})()
+    q = q_labels([res])
+    assert q[(0, a.id)] == 1.0  # a proven win (its mean return is 0.25)
+    assert q[(0, a1.id)] == 1.0 and q[(0, b1.id)] == 0.0  # finished steps: proven
+    assert q[(0, b.id)] == 1.0  # mean return 1.2, clipped
+    assert q[(0, c.id)] == 0.5  # visit-weighted mean return
+    assert (0, d.id) not in q and (0, 0) not in q  # no visits, no proof: no label
+
+
+class _OraclePRM:
+    """Scores each step by what its observation shows: the outcome when finished, else whether
+    the numbers left can still make 24 (a PRM that is always right)."""
+
+    kind = "prm"
+
+    def score_episodes(self, episodes):
+        out = []
+        for ep in episodes:
+            scores = []
+            for obs in ep.observations:
+                if "Solved" in obs:
+                    scores.append(0.9)
+                elif "Failed" in obs or "Out of steps" in obs:
+                    scores.append(0.1)
+                else:
+                    scores.append(0.8 if solvable(_numbers_left(obs), 24) else 0.2)
+            out.append(scores)
+        return out
+
+
+def test_heldout_against_exact_labels(tmp_path, monkeypatch):
+    """``benchmarks/prm_heldout.py --labels exact``: a PRM that is always right ranks every step
+    (AUC 1 before the end and over all steps); an env without exact values is one error."""
+    from reward_models.prm import ProcessRewardModel
+    from train.loop_prm import heldout
+
+    results = om.search_many(om.load_tasks("game24", "test", 5), strategy="best_of_n:n=3",
+                             policy="scripted:oracle:p=0.5", seed=0)
+    f = tmp_path / "results.jsonl"
+    om.write_results(f, results)
+    monkeypatch.setattr(ProcessRewardModel, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: _OraclePRM()))
+    out = heldout("unused", [f], labels="exact")
+    assert out["before_end"]["auc"] == 1.0 and out["all"]["auc"] == 1.0
+    assert 0 < out["before_end"]["steps"] < out["all"]["steps"]
+    mc = heldout("unused", [f])  # the same steps against MC values of three leaves
+    assert mc["all"]["steps"] <= out["all"]["steps"]
+
+    sok = om.search_many(om.load_tasks("sokoban", "test", 1), strategy="react",
+                         policy="scripted:oracle:p=0.5", seed=0)
+    g = tmp_path / "sokoban.jsonl"
+    om.write_results(g, sok)
+    with pytest.raises(ValueError, match="'sokoban' cannot compute exact values"):
+        heldout("unused", [g], labels="exact")
+
+
+def test_mc_labels_scored_against_exact_labels(tmp_path, trees):
+    """``prm_heldout.py --mc-vs-exact``: every distinct step with an MC value, its MC value as
+    the prediction and its exact label as the truth."""
+    from helpers import load_script
+    from reward_models.labels import label_results
+    from train.prm import unique_steps
+
+    f = tmp_path / "results.jsonl"
+    om.write_results(f, trees)
+    out = load_script("benchmarks/prm_heldout.py").mc_vs_exact([f])
+    steps = unique_steps(label_results(trees, rollouts=0))
+    assert out["all"]["calibration"]["steps"] == len(steps)
+    assert out["before_end"]["calibration"]["steps"] == sum(not end for *_, end in steps)
+    assert out["before_end"]["auc"] > 0.7  # leaves of a half-right oracle: informative labels
+
+
+def test_a_prm_trained_on_exact_labels_is_marked_a_ceiling(tmp_path, tiny_hf_model, capsys):
+    import json
+
+    from omrl_search.cli import main
+
+    run = tmp_path / "run"
+    assert main(["search", "--env", "game24", "--split", "train", "--limit", "8", "--policy",
+                 "scripted:oracle:p=0.5", "--strategy", "beam:width=2,k=2", "--out", str(run),
+                 "--no-progress"]) == 0
+    labels = tmp_path / "labels"
+    assert main(["label", str(run), "--out", str(labels), "--soft", "exact", "--no-progress"]) == 0
+    out = tmp_path / "prm"
+    assert main(["train", "prm", "--data", str(labels), "--base", tiny_hf_model, "--out", str(out),
+                 "--max-steps", "1", "--batch-size", "2", "--device", "cpu", "--no-progress"]) == 0
+    assert "a ceiling experiment" in capsys.readouterr().err
+    assert json.loads((out / "omrl-train.json").read_text())["oracle_labels"].endswith("meta.json")
