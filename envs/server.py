@@ -46,6 +46,7 @@ from omrl_search.env import env_class
 
 from ._agentgym import hello, served
 from ._env_pool import PROTOCOL, ApiError, EnvPool
+from .server_limits import MAX_READING, READ_TIMEOUT, bounded_http
 
 MAX_ACTION_CHARS = 100_000
 _QUERIES = ("observation", "valid_actions", "expert_action", "heuristic")  # GET ?id=
@@ -492,6 +493,12 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "if set, else no auth; the variable keeps it out of `ps`)")
     s.add_argument("--trust-tasks", action="store_true",
                    help="accept full task dicts for an env without task_from_dict (unchecked)")
+    s.add_argument("--read-timeout", type=float, default=READ_TIMEOUT,
+                   help="seconds a request's headers and body may take to arrive; past it the "
+                        f"connection is closed (default {READ_TIMEOUT:g})")
+    s.add_argument("--max-reading", type=int, default=MAX_READING,
+                   help="connections part-way through a request at once; one more closes the one "
+                        f"reading longest (default {MAX_READING})")
     s.add_argument("--log-level", default="warning", help="uvicorn's log level (default warning)")
 
 
@@ -505,7 +512,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--port must be 0..65535, got {args.port}")
     for flag, value in (("--max-envs", args.max_envs), ("--idle-timeout", args.idle_timeout),
                         ("--max-snapshots", args.max_snapshots), ("--call-timeout", args.call_timeout),
-                        ("--max-body-mb", args.max_body_mb)):
+                        ("--max-body-mb", args.max_body_mb), ("--read-timeout", args.read_timeout),
+                        ("--max-reading", args.max_reading)):
         if not (math.isfinite(value) and value > 0):
             raise UsageError(f"{flag} must be a number > 0, got {value:g}")
     token = args.token if args.token is not None else os.environ.get(TOKEN_VAR) or None
@@ -524,10 +532,11 @@ def run(args: argparse.Namespace) -> int:
     auth = "bearer token required" if token else "no auth"
     print(f"serving env {args.env} on http://{args.host}:{args.port} (max {args.max_envs} envs, "
           f"idle timeout {args.idle_timeout:g} s, {args.call_timeout:g} s per request, bodies up "
-          f"to {args.max_body_mb:g} MiB, {auth}); API docs at /docs", flush=True)
+          f"to {args.max_body_mb:g} MiB read within {args.read_timeout:g} s, {auth}); API docs at /docs", flush=True)
     if not token and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: {args.host} is reachable from other machines and anyone there can run "
               f"this env: set --token (or ${TOKEN_VAR}) and put TLS in front (docs/reliability.md)",
               flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                http=bounded_http(args.read_timeout, args.max_reading))
     return 0

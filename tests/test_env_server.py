@@ -39,10 +39,11 @@ def _tcp_socket() -> socket.socket:
 
 
 @contextmanager
-def serving(app):
-    """Run ``app`` under uvicorn in a background thread on a free port; stop it at the end."""
+def serving(app, **config):
+    """Run ``app`` under uvicorn (``config``: more of ``uvicorn.Config``'s arguments) in a
+    background thread on a free port; stop it at the end."""
     sock = _tcp_socket()
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **config))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20

@@ -325,3 +325,63 @@ def test_schemathesis_finds_no_failure(tmp_path):
     assert m and int(m[1]) == int(m[2]) > 500, tail
     assert "14 passed" in out.stdout or "Tested: 14" in out.stdout, tail  # 13 + GET /
     print(json.dumps({"generated": int(m[1]), "failures": 0}))
+
+
+# --- reading a request is bounded in time and in connections (envs/server_limits.py) -----------
+def _slow_clients(url: str, n: int) -> list[socket.socket]:
+    """``n`` connections that never finish their request: half stop inside the headers, half
+    send a body shorter than its Content-Length."""
+    host, port = url.removeprefix("http://").split(":")
+    out = []
+    for i in range(n):
+        s = socket.create_connection((host, int(port)))
+        s.sendall(b"POST /create HTTP/1.1\r\nHost: x\r\n" if i % 2 else
+                  b"POST /create HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        out.append(s)
+    return out
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    sock.settimeout(seconds)
+    try:
+        return sock.recv(100) == b""
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+
+
+def test_slow_requests_are_dropped_at_the_read_timeout_and_others_are_answered_meanwhile():
+    from envs.server_limits import bounded_http
+
+    with serving(create_app("game24"), http=bounded_http(read_timeout=1.0, max_reading=100)) as url:
+        t0 = time.monotonic()
+        slow = _slow_clients(url, 40)
+        r = httpx.post(f"{url}/create", json={}, timeout=5)  # the next real client
+        assert r.status_code == 200 and time.monotonic() - t0 < 1.0  # answered while they wait
+        assert all(_closed_within(s, 3.0) for s in slow)
+        assert time.monotonic() - t0 < 4.0  # all dropped at about the 1 s read timeout
+        for s in slow:
+            s.close()
+
+
+def test_past_max_reading_the_longest_reading_connection_is_closed():
+    from envs.server_limits import bounded_http
+
+    with serving(create_app("game24"), http=bounded_http(read_timeout=30.0, max_reading=8)) as url:
+        slow = _slow_clients(url, 20)
+        # far before the 30 s timeout: the 12 oldest were evicted, the 8 newest still wait
+        evicted = [_closed_within(s, 2.0) for s in slow[:12]]
+        waiting = [not _closed_within(s, 0.2) for s in slow[12:]]
+        assert all(evicted) and all(waiting)
+        assert httpx.post(f"{url}/create", json={}, timeout=5).status_code == 200
+        for s in slow:
+            s.close()
+
+
+def test_read_limits_are_checked():
+    from envs.server_limits import bounded_http
+
+    for bad in ((0.0, 8), (1.0, 0), (float("nan"), 8)):
+        with pytest.raises(ValueError, match="read_timeout must be > 0"):
+            bounded_http(*bad)
