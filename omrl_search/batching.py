@@ -449,7 +449,8 @@ def _score_request(ctx: "SearchContext", node: "Node") -> GenRequest:
     messages, _, prompt_ids = ctx.prompts.step(node)
     grammar = ctx.constraint.grammar(node, count=False)[0] if ctx.constraint is not None else None
     meta = {"task": ctx.task, "snapshot": node.snapshot, "env": ctx.task.env, "score": True}
-    return GenRequest(messages, SamplingParams(1.0, 1.0, 0, (), 1, None), prompt_ids, meta, grammar)
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=0, stop=(), n=1, seed=None)
+    return GenRequest(messages, params, prompt_ids, meta, grammar)
 
 
 def serve_scores(policy: Any, ops: "list[tuple[int, ScoreOp]]") -> dict[int, Any]:
@@ -482,8 +483,8 @@ def serve_scores(policy: Any, ops: "list[tuple[int, ScoreOp]]") -> dict[int, Any
     if not isinstance(served, list) or len(served) != len(flat):
         served = [0] * len(flat)
     for (i, ctx, comps), req, scores, cached in zip(flat, requests, got, served):
-        ctx.budget.charge(lm_calls=1, prompt_tokens=len(req.prompt_ids or ())
-                          + sum(len(ctx.prompts.encode(c)) for c in comps), cached_tokens=cached)
+        ctx.budget.charge_scoring(len(req.prompt_ids or ())
+                                  + sum(len(ctx.prompts.encode(c)) for c in comps), cached)
         if not isinstance(scores, Exception):
             scores = checked_scores(scores, len(comps))
         if isinstance(scores, Exception):

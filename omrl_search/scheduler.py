@@ -1,11 +1,12 @@
 """One :meth:`~omrl_search.engine.Engine.run`: the driver loop that keeps many searches moving.
 
-It starts tasks up to the run's concurrency, resumes each tree's coroutine with the answer to
-its last op, queues the op it yields next (LM requests, evaluations, scorings), and asks the
-engine to serve what is waiting: one policy call (``continuous``), everything (``lockstep``), or
-submit/collect with a streaming backend. What serving means — batching, budgets, deadlines,
-building children — stays in :class:`~omrl_search.engine.Engine`; this module only schedules
-(see docs/design.md §5).
+Its one job is *when*: it starts tasks up to the run's concurrency, resumes each tree's
+coroutine with the answer to its last op, queues the op it yields next (LM requests,
+evaluations, scorings), and chooses what is served next: one policy call's worth
+(``continuous``), everything (``lockstep``), or submit/collect with a streaming backend. It
+drives the engine through its public face only: ``start`` / ``result`` a search,
+``requests_for`` an op, ``serve`` / ``deliver`` / ``evaluate_all`` what it chose,
+``answer`` an op whose requests are all answered (see docs/design.md §5).
 """
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ class Run:
                 answers = self.stream()
             else:
                 step = self.next_step()
-                answers = engine._serve(step)
+                answers = engine.serve(step)
                 self.pending = step.pending
                 self.waiting.put_back(step.unserved)
             for i in sorted(answers):
@@ -78,7 +79,7 @@ class Run:
         return self.results  # type: ignore[return-value]
 
     def start(self, i: int, task: Task) -> None:
-        started = self.engine._start(self.strategy, task, self.budget, self.spec)
+        started = self.engine.start(self.strategy, task, self.budget, self.spec)
         if isinstance(started, SearchResult):
             self.done(i, started)
             return
@@ -92,7 +93,7 @@ class Run:
 
     def finish(self, i: int, stop: str) -> None:
         ctx, _ = self.live.pop(i)
-        result = self.engine._result(self.strategy, ctx, stop, self.spec)
+        result = self.engine.result(self.strategy, ctx, stop, self.spec)
         ctx.envs.close()
         self.done(i, result)
 
@@ -121,7 +122,7 @@ class Run:
                 self.scores[i] = op
                 return
             try:
-                wait = self.engine._wait(i, op)
+                wait = self.engine.requests_for(i, op)
             except ConstraintError:  # a setting that cannot be honoured: the run's error
                 coro.close()
                 raise
@@ -133,7 +134,7 @@ class Run:
             if wait.left:
                 self.waiting.add(wait)
             else:
-                self.ready.append((i, self.engine._answer_safely(wait)))
+                self.ready.append((i, self.engine.answer(wait)))
 
     def resume(self) -> dict[int, Any]:
         """Wait on the timed call still running (to its next deadline or its end)."""
@@ -142,7 +143,7 @@ class Run:
         if timed.done:
             self.pending = None
         answers: dict[int, Any] = {}
-        self.engine._deliver(items, got, answers)
+        self.engine.deliver(items, got, answers)
         return answers
 
     def next_step(self) -> Round:
@@ -178,16 +179,16 @@ class Run:
                 items.sort(key=lambda item: prompt_key(item[0].requests[item[1]]))
             tickets = []
             for wait, slot in items:
-                engine._tickets += 1
-                inflight[engine._tickets] = (wait, slot, engine._deadline(wait))
-                tickets.append((engine._tickets, wait.requests[slot]))
+                ticket = engine.next_ticket()
+                inflight[ticket] = (wait, slot, engine.deadline(wait))
+                tickets.append((ticket, wait.requests[slot]))
             try:
                 engine.policy.submit(tickets)
             except Exception as exc:  # the whole submission failed: each request fails alone
                 done = [(t, exc) for t, _ in tickets]
         if (self.evals or self.scores) and not done:
             ev, sc = self.side_work()
-            answers = engine._evaluate_all(ev) if ev else {}
+            answers = engine.evaluate_all(ev) if ev else {}
             if sc:
                 answers.update(serve_scores(engine.policy, sc))
             return answers
@@ -199,7 +200,7 @@ class Run:
                 continue
             wait, slot, _ = entry
             if wait.answer(slot, gens):
-                answers[wait.i] = engine._answer_safely(wait)
+                answers[wait.i] = engine.answer(wait)
         return answers
 
     def collect(self) -> list[tuple[int, Any]]:
