@@ -118,7 +118,7 @@ class Engine:
 
     # --- one search: start and result ------------------------------------------------------
     def start(self, strategy: Any, task: Task, budget: Budget, spec: str
-               ) -> SearchContext | SearchResult:
+              ) -> SearchContext | SearchResult:
         """A new search of ``task`` (its env reset, its tree rooted), or the failed result of a
         task whose env could not be reset; ``spec``: the strategy's, made once per run."""
         t0 = time.perf_counter()
@@ -150,6 +150,8 @@ class Engine:
 
     @staticmethod
     def result(strategy: Any, ctx: SearchContext, stop: str, spec: str) -> SearchResult:
+        """A finished search's result: the clock stopped, the strategy's ``select`` as its best
+        answer (a crashing ``select`` is a fault: no answer), ``stop`` as its stop reason."""
         ctx.budget.stop_clock()
         try:
             best = strategy.select(ctx)
