@@ -2,7 +2,7 @@
 
 A strategy is an ``async def run(ctx)`` that calls batched primitives on its
 :class:`~omrl_search.ops.SearchContext` (``expand``, ``ask``, ``evaluate``, ``score_actions``);
-each yields a typed op record (:mod:`omrl_search.ops`). The core splits the work four ways, each
+each yields a typed op record (:mod:`omrl_search.ops`). The core splits the work five ways, each
 part with one job and only public names between them:
 
 * :class:`Engine` (here): what a run is made of (policy, reward model, agent format, sampling
@@ -13,6 +13,8 @@ part with one job and only public names between them:
 * :class:`~omrl_search.scheduler.Run`: *when* things run: which searches are live, which waiting
   requests go into the next call (``continuous`` or ``lockstep``, see
   :mod:`omrl_search.batching`), and resuming each tree with its answer.
+* :class:`~omrl_search.streaming.StreamingCalls`: the requests in flight on a policy that batches
+  continuously itself (``Policy.streams``), submitted as they are made, collected as they finish.
 * :class:`~omrl_search.requests.RequestBuilder`: an op's LM requests, built in its tree's own
   order so every seed comes from the tree alone; the schedule never changes a result.
 * :mod:`omrl_search.children`: an answered op checked, charged, and turned into children (each
@@ -218,6 +220,19 @@ class Engine:
             chunks[-1].append(j)
             seqs += req.params.n
         return chunks if chunks[0] else []
+
+    def generate(self, requests: list[GenRequest], deadlines: list[float | None] | None = None
+                 ) -> list[Any]:
+        """The policy's answers to ``requests`` outside a search: one call per chunk of
+        ``max_batch`` sequences, a failed chunk retried one request at a time so a bad request
+        fails alone (its exception in its place); ``deadlines``: see
+        :func:`~omrl_search.batching.call_policy`."""
+        deadlines = deadlines or [None] * len(requests)
+        out: list[Any] = []
+        for chunk in self.chunks(requests):
+            out += call_policy(self.policy.generate, [requests[j] for j in chunk],
+                               [deadlines[j] for j in chunk])
+        return out
 
     def deadline(self, wait: LMWait, start: float | None = None) -> float | None:
         """When a request of ``wait`` must be answered by: its search's ``seconds`` budget, or
