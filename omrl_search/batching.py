@@ -373,7 +373,12 @@ def _all_reals(xs: Any) -> bool:
 
 def finite_logprobs(lps: "Sequence[float]") -> bool:
     """No NaN and no +inf among ``lps`` (``-inf``, a token of probability zero, is a number a
-    logprob can be); a generation with either is malformed: its node's fault."""
+    logprob can be); a generation with either is malformed: its node's fault. Their sum is
+    NaN or +inf exactly then (logprobs are never large and positive), so one summing pass
+    decides; a finer look only when it says no."""
+    total = sum(lps)
+    if total == total and total != _INF:
+        return True
     return not any(x != x or x == _INF for x in lps)
 
 
