@@ -148,7 +148,8 @@ class Budget:
         in it, at most all of it), not on top of them."""
         s = self.spent
         s.prompt_tokens += prompt_tokens
-        s.cached_tokens += _cached(cached_tokens, prompt_tokens)
+        if cached_tokens:
+            s.cached_tokens += _cached(cached_tokens, prompt_tokens)
         s.completion_tokens += completion_tokens
         s.lm_calls += lm_calls
         s.rm_calls += rm_calls
