@@ -19,16 +19,6 @@ an instruction is not a nanosecond (a cache miss weighs like an add), so this ra
 interpreter executes, beside the CPU-time figures, not instead of them.
 
     python benchmarks/engine_instructions.py [--kinds beam,dfs,mcts] [--tasks 50] [--agent]
-                                             [--parts]
-
-``--parts`` also splits our count by part: building children (``Engine._answer``), the requests
-(``Engine._wait``), the strategy (``Run.advance`` without those), starting and finishing
-searches, and the driver loop. Each search runs again once per part with collection switched on
-only inside the part's methods and off inside the env's and the policy's calls (:class:`Switch`);
-what each wrapper call itself costs is measured first and taken off. The parts are counted where
-they run, with no replay; they sum to 3-8% above the replayed total: that total is lower by the
-replay's full ``restore`` (the search sets a value snapshot's state itself, ~1.7k a node), and
-the wrappers leave a residue of a few hundred instructions a call (2-4 calls a node).
 
 Needs valgrind with its headers (``valgrind/callgrind.h``; Debian: ``apt install valgrind``) and a
 C compiler: a two-function helper that starts and stops collection is compiled into a temporary
@@ -41,7 +31,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import itertools
 import json
 import os
 import shutil
@@ -50,7 +39,6 @@ import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 HERE = Path(__file__).resolve().parent
 CHILD = "OMRL_INSTRUCTIONS_DIR"  # set in the run under valgrind: where the helper and dumps live
@@ -58,21 +46,7 @@ HELPER = r"""
 #include <valgrind/callgrind.h>
 void meter_start(void) { CALLGRIND_ZERO_STATS; CALLGRIND_START_INSTRUMENTATION; CALLGRIND_TOGGLE_COLLECT; }
 void meter_stop(void) { CALLGRIND_TOGGLE_COLLECT; CALLGRIND_DUMP_STATS; CALLGRIND_STOP_INSTRUMENTATION; }
-void meter_toggle(void) { CALLGRIND_TOGGLE_COLLECT; }
 """
-#: ``--parts``: each part of our engine's count, collected only inside the first methods
-#: (``module:Class.method`` under omrl_search) and not inside the second (counted as other parts)
-PARTS = {
-    "children": (("engine:Engine._answer",), ()),
-    "requests": (("engine:Engine._wait",), ()),
-    "strategy": (("scheduler:Run.advance",), ("engine:Engine._wait", "engine:Engine._result")),
-    "start, result": (("engine:Engine._start", "engine:Engine._result"), ()),
-    "driver": (("scheduler:Run.loop",), ("engine:Engine._answer", "engine:Engine._wait",
-                                        "scheduler:Run.advance", "engine:Engine._start",
-                                        "engine:Engine._result")),
-}
-
-
 @contextmanager
 def collector_off():
     """The cyclic collector off for a counted stretch, after a full pass: its phase would move
@@ -105,113 +79,6 @@ class Meter:
         self.on = not self.on
         self.ticks += 1.0  # a stretch reads as 1 "second" to code that divides by it
         return self.ticks
-
-
-class Switch:
-    """``--parts``: wrapped methods switch callgrind's collection on (a part's) or off (the
-    env's and the policy's) while they run. ``calls`` counts the wrapper calls made while
-    collecting: switched on, switched off from on, entered already on; each costs a fixed count,
-    measured by :meth:`calibrate` and taken off by :meth:`net`."""
-
-    def __init__(self, lib):
-        self.lib, self.on = lib, False
-        self.calls = dict.fromkeys(("on", "off", "same"), 0)
-
-    def wrap(self, fn, on: bool):
-        def run(*args, **kwargs):
-            if self.on is on:
-                self.calls["same"] += on
-                return fn(*args, **kwargs)
-            self.lib.meter_toggle()
-            self.on = on
-            self.calls["on" if on else "off"] += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.lib.meter_toggle()
-                self.on = not on
-        return run
-
-    def stretch(self, run) -> None:
-        """One dump of what ``run()`` does inside switched-on methods."""
-        self.calls = dict.fromkeys(self.calls, 0)
-        self.lib.meter_start()
-        self.lib.meter_toggle()
-        try:
-            run()
-        finally:
-            self.lib.meter_toggle()
-            self.lib.meter_stop()
-
-    def calibrate(self, n: int = 2000) -> None:
-        """Five stretches of calls to a one-argument method, as the env's ``step(action)``:
-        none; wrapped on; and inside a wrapped-on loop, plain, wrapped off and wrapped on again.
-        :meth:`costs` turns their counts into each wrapper call's cost."""
-
-        class Probe:
-            def plain(self, x):
-                return x
-
-        Probe.on, Probe.off = self.wrap(Probe.plain, True), self.wrap(Probe.plain, False)
-        probe = Probe()
-        self.stretch(lambda: None)
-        self.stretch(lambda: [probe.on(i) for i in range(n)])
-        self.stretch(self.wrap(lambda: [probe.plain(i) for i in range(n)], True))
-        self.stretch(self.wrap(lambda: [probe.off(i) for i in range(n)], True))
-        self.stretch(self.wrap(lambda: [probe.on(i) for i in range(n)], True))
-
-    @staticmethod
-    def costs(counts: list[int], n: int = 2000) -> dict[str, float]:
-        base, on, plain, off, same = counts
-        return {"base": base, "on": (on - base) / n, "off": (off - plain) / n,
-                "same": (same - plain) / n}
-
-    @staticmethod
-    def net(count: int, calls: dict[str, int], cost: dict[str, float]) -> float:
-        return count - cost["base"] - sum(calls[k] * cost[k] for k in calls)
-
-
-def parts(args, meter, tasks, eo) -> list[dict]:
-    """``--parts``: each kind's omrl search once per part (:data:`PARTS`), collecting only in
-    the part; the calibration's five stretches come first. Returns each run's wrapper calls."""
-    import importlib
-
-    switch = Switch(meter.lib)
-    switch.calibrate()
-    eo.CLOCK = itertools.count(1.0).__next__  # ticks: the stretches are the parts now
-    runs = []
-
-    def patch(owner, name: str, on: bool, undo: list) -> None:
-        raw = owner.__dict__[name]
-        static = isinstance(raw, staticmethod)
-        wrapped = switch.wrap(raw.__func__ if static else raw, on)
-        setattr(owner, name, staticmethod(wrapped) if static else wrapped)
-        undo.append((owner, name, raw))
-
-    def method(target: str) -> tuple[Any, str]:
-        module, _, qual = target.partition(":")
-        cls, _, name = qual.partition(".")
-        return getattr(importlib.import_module(f"omrl_search.{module}"), cls), name
-
-    # never counted: opening and closing envs, their steps and snapshots (set on the timed env
-    # by child()), the policy's calls
-    outside = [method("env_driver:EnvDriver.open"), method("env_driver:EnvDriver.close"),
-               (eo.TimedGame24Env, "step"), (eo.TimedGame24Env, "snapshot"),
-               (eo.ZeroCostPolicy, "generate")]
-    for kind in args.kinds:
-        for part, (inside, besides) in PARTS.items():
-            undo: list = []
-            for target in inside:
-                patch(*method(target), True, undo)
-            for owner, name in [method(t) for t in besides] + outside:
-                patch(owner, name, False, undo)
-            with collector_off():
-                switch.stretch(lambda kind=kind: eo.measure(
-                    kind, eo.workloads(args.simulations)[kind], tasks, profile=False))
-            for owner, name, raw in reversed(undo):
-                setattr(owner, name, raw)
-            runs.append({"kind": kind, "part": part, "calls": dict(switch.calls)})
-    return runs
 
 
 def child(args) -> None:
@@ -259,8 +126,6 @@ def child(args) -> None:
                     meter()
             sides.append({"side": name, "kind": kind, "nodes": row["nodes"],
                           "simulations": row["simulations"], "stretches": meter.stretches[first:]})
-    if args.parts:
-        sides.append({"parts": parts(args, meter, tasks, eo)})
     Path(os.environ[CHILD], "sides.json").write_text(json.dumps(sides))
 
 
@@ -282,8 +147,6 @@ def main() -> None:
     ap.add_argument("--tasks", type=int, default=50)
     ap.add_argument("--simulations", type=int, default=200)
     ap.add_argument("--agent", action="store_true", help="also the llm-reasoners + agent hooks rows")
-    ap.add_argument("--parts", action="store_true",
-                    help="also our engine's count split by part (children, requests, ...)")
     args = ap.parse_args()
     args.kinds = [k for k in args.kinds.split(",") if k]
     if not args.kinds or any(k not in ("mcts", "beam", "dfs") for k in args.kinds):
@@ -309,7 +172,6 @@ def main() -> None:
             sys.exit(f"engine_instructions: the run under valgrind failed:\n{done.stderr[-3000:]}")
         sides = json.loads((folder / "sides.json").read_text())
         counts = iter(dumps(folder))
-    split = sides.pop()["parts"] if args.parts else []
     rows = []
     for s in sides:
         part = {name: next(counts) for name in s["stretches"]}
@@ -329,28 +191,8 @@ def main() -> None:
         sim = r["engine_k_per_simulation"]
         print(f"{r['side'] + ' ' + r['kind']:36}{r['nodes']:>7}{r['engine_k_per_node']:>14}"
               f"{sim if sim is not None else '-':>20}{ratio:>9.2f}")
-    if split:
-        split = part_rows(split, [next(counts) for _ in range(5 + len(split))], ours)
-        print("\nomrl-search by part, k instructions a node, counted where each runs (env and "
-              "policy calls switched off, wrapper cost taken off)")
-        print(f"{'':6}" + "".join(f"{p:>15}" for p in PARTS) + f"{'sum':>8}")
-        for kind in args.kinds:
-            mine = [r["k_per_node"] for r in split if r["kind"] == kind]
-            print(f"{kind:6}" + "".join(f"{k:>15}" for k in mine) + f"{round(sum(mine), 1):>8}")
     print(json.dumps({"benchmark": "engine_instructions", "tasks": args.tasks,
-                      "simulations": args.simulations, "rows": rows, "parts": split}))
-
-
-def part_rows(runs: list[dict], counts: list[int], ours: dict[str, dict]) -> list[dict]:
-    """``--parts``: each run's count, net of the wrapper calls it made (the calibration's
-    costs, from the first five counts), per node of its kind's search."""
-    cost = Switch.costs(counts[:5])
-    out = []
-    for run, count in zip(runs, counts[5:]):
-        net = Switch.net(count, run["calls"], cost)
-        out.append({**run, "instructions": round(net),
-                    "k_per_node": round(net / ours[run["kind"]]["nodes"] / 1000, 1)})
-    return out
+                      "simulations": args.simulations, "rows": rows}))
 
 
 if __name__ == "__main__":

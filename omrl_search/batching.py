@@ -371,6 +371,20 @@ def _all_reals(xs: Any) -> bool:
     return set(map(type, xs)) <= _REALS or all(_real(x) for x in xs)
 
 
+def finite_logprobs(lps: "Sequence[float]") -> bool:
+    """No NaN and no +inf among ``lps`` (``-inf``, a token of probability zero, is a number a
+    logprob can be); a generation with either is malformed: its node's fault. Their sum is
+    NaN or +inf exactly then (logprobs are never large and positive), so one summing pass
+    decides; a finer look only when it says no."""
+    total = sum(lps)
+    if total == total and total != _INF:
+        return True
+    return not any(x != x or x == _INF for x in lps)
+
+
+_INF = float("inf")
+
+
 def _plain(g: Generation) -> bool:
     """A generation of exact built-in types that :func:`_malformed` passes, checked in one
     expression (no ABC checks, no calls per field): what every backend here returns."""
@@ -378,7 +392,8 @@ def _plain(g: Generation) -> bool:
     return (type(g.text) is str and type(p) is int and p >= 0 and type(c) is int and c >= 0
             and (ids is None or type(ids) is list and set(map(type, ids)) <= _INTS
                  and (not ids or min(ids) >= 0))
-            and (lps is None or type(lps) is list and set(map(type, lps)) <= _REALS))
+            and (lps is None or type(lps) is list and set(map(type, lps)) <= _REALS
+                 and finite_logprobs(lps)))
 
 
 def _malformed(g: Any) -> str:
@@ -394,6 +409,8 @@ def _malformed(g: Any) -> str:
         return "generation token_ids are not a list of token ids"
     if g.logprobs is not None and not _all_reals(g.logprobs):
         return "generation logprobs are not a list of numbers"
+    if g.logprobs is not None and not finite_logprobs(g.logprobs):
+        return "generation logprobs are not finite (NaN or +inf)"
     if not (_count(g.prompt_tokens) and _count(g.completion_tokens)):
         return f"generation usage is not token counts ({g.prompt_tokens!r}, {g.completion_tokens!r})"
     return ""
@@ -403,7 +420,8 @@ def well_formed(gens: Any, n: int) -> tuple[list[Generation], list[str]]:
     """The well-formed generations of a policy's answer to one request for ``n``, and what was
     wrong with the rest: an answer that is not a list; an item that is not a
     :class:`~omrl_search.types.Generation`, or whose ``text`` is not a str, ``token_ids`` not
-    token ids, ``logprobs`` not numbers, usage not token counts; fewer (or more) than ``n``."""
+    token ids, ``logprobs`` not numbers or not finite (NaN, +inf), usage not token counts;
+    fewer (or more) than ``n``."""
     if not isinstance(gens, (list, tuple)):
         return [], [f"policy answered a request with {type(gens).__name__}, not a list of generations"]
     good, problems = [], []
@@ -424,8 +442,8 @@ def checked_scores(raw: Any, n: int) -> list[float] | Exception:
     ``-inf``), else an exception saying what is wrong."""
     if not isinstance(raw, (list, tuple)) or len(raw) != n:
         return RuntimeError(f"policy.score gave {type(raw).__name__} for {n} completions")
-    if not all(_real(x) and x == x and x != float("inf") for x in raw):
-        return RuntimeError("policy.score gave a score that is not a number")
+    if not all(_real(x) for x in raw) or not finite_logprobs(raw):
+        return RuntimeError("policy.score gave a score that is not finite (NaN or +inf) or not a number")
     return [float(x) for x in raw]
 
 
@@ -436,7 +454,8 @@ def _score_request(ctx: "SearchContext", node: "Node") -> GenRequest:
     messages, _, prompt_ids = ctx.prompts.step(node)
     grammar = ctx.constraint.grammar(node, count=False)[0] if ctx.constraint is not None else None
     meta = {"task": ctx.task, "snapshot": node.snapshot, "env": ctx.task.env, "score": True}
-    return GenRequest(messages, SamplingParams(1.0, 1.0, 0, (), 1, None), prompt_ids, meta, grammar)
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=0, stop=(), n=1, seed=None)
+    return GenRequest(messages, params, prompt_ids, meta, grammar)
 
 
 def serve_scores(policy: Any, ops: "list[tuple[int, ScoreOp]]") -> dict[int, Any]:
@@ -469,8 +488,8 @@ def serve_scores(policy: Any, ops: "list[tuple[int, ScoreOp]]") -> dict[int, Any
     if not isinstance(served, list) or len(served) != len(flat):
         served = [0] * len(flat)
     for (i, ctx, comps), req, scores, cached in zip(flat, requests, got, served):
-        ctx.budget.charge(lm_calls=1, prompt_tokens=len(req.prompt_ids or ())
-                          + sum(len(ctx.prompts.encode(c)) for c in comps), cached_tokens=cached)
+        ctx.budget.charge_scoring(len(req.prompt_ids or ())
+                                  + sum(len(ctx.prompts.encode(c)) for c in comps), cached)
         if not isinstance(scores, Exception):
             scores = checked_scores(scores, len(comps))
         if isinstance(scores, Exception):

@@ -13,11 +13,19 @@ Prompt tokens split in two, for backends with a prefix cache (``Generation.cache
 ``prompt_tokens`` (and so ``tokens``) still counts every prompt token, cached or not, so a token
 budget means the same whatever the backend caches; a ``prefill_tokens`` limit budgets the compute
 spent reading prompts instead. A backend without a cache reports 0 cached tokens (every prompt
-token is prefill). ``Policy.score`` calls are charged by the engine, their cached prompt tokens
-from the backend's ``last_score_cached`` (0 where a backend does not set it).
+token is prefill).
+
+One door: a budget is parsed in one place (:meth:`Budget.parse`, which refuses unknown kinds and
+limits that are not finite positive numbers) and charged through one named operation per kind
+of cost, each adding through :meth:`Budget.charge`: :meth:`~Budget.charge_lm` (a policy
+request's usage, from its generations), :meth:`~Budget.charge_scoring` (a ``Policy.score``
+request: its prompt and completions read, the cached part from the backend's
+``last_score_cached``), :meth:`~Budget.charge_rm` (one prefix scored by the reward model, with
+the tokens it ran) and :meth:`~Budget.charge_env_step`.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
@@ -96,10 +104,14 @@ class Budget:
                 raise SpecError(f"unknown budget kind {kind!r} (known: {', '.join(KINDS)})")
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise SpecError(f"budget {kind}={value!r} must be a positive number")
+            if not math.isfinite(value):  # nan or inf would run unlimited
+                raise SpecError(f"budget {kind}={value} must be a finite positive number "
+                                "(leave the kind out for no limit)")
 
     @classmethod
     def parse(cls, spec: "str | dict[str, float] | Budget | None") -> "Budget":
-        """``"tokens=20000,env_steps=500"``, a dict of limits, a Budget (its limits) or None."""
+        """``"tokens=20000,env_steps=500"``, a dict of limits, a Budget (its limits) or None:
+        the one place a budget is read (a bad kind or limit: a SpecError naming it)."""
         if spec is None:
             return cls()
         if isinstance(spec, Budget):
@@ -136,7 +148,8 @@ class Budget:
         in it, at most all of it), not on top of them."""
         s = self.spent
         s.prompt_tokens += prompt_tokens
-        s.cached_tokens += _cached(cached_tokens, prompt_tokens)
+        if cached_tokens:
+            s.cached_tokens += _cached(cached_tokens, prompt_tokens)
         s.completion_tokens += completion_tokens
         s.lm_calls += lm_calls
         s.rm_calls += rm_calls
@@ -144,26 +157,32 @@ class Budget:
         s.env_steps += env_steps
 
     def charge_lm(self, gens: "Sequence[Generation]" = ()) -> None:
-        """One request answered by the policy (or failed: no ``gens``): one LM call, its prompt
-        once (the ``n`` samples share it), of which ``cached_tokens`` as the first sample
-        reports them, and every sample's completion tokens. The engine charges every request,
-        expansion or ask, through this one place (the same sums as :meth:`charge`, written out:
-        it runs once per request)."""
-        s = self.spent
-        s.lm_calls += 1
-        if gens:
-            g = gens[0]
-            s.prompt_tokens += g.prompt_tokens
-            cached = getattr(g, "cached_tokens", 0)
-            if cached:
-                s.cached_tokens += _cached(cached, g.prompt_tokens)
-            for g in gens:
-                s.completion_tokens += g.completion_tokens
+        """LM tokens: one request answered by the policy (or failed: no ``gens``): one LM call,
+        its prompt once (the ``n`` samples share it), of which ``cached_tokens`` as the first
+        sample reports them, and every sample's completion tokens. Every request, expansion or
+        ask, is charged here."""
+        if not gens:
+            self.charge(lm_calls=1)
+            return
+        first = gens[0]
+        self.charge(lm_calls=1, prompt_tokens=first.prompt_tokens,
+                    cached_tokens=getattr(first, "cached_tokens", 0),
+                    completion_tokens=sum(g.completion_tokens for g in gens))
+
+    def charge_scoring(self, prompt_tokens: int, cached_tokens: int = 0) -> None:
+        """LM tokens read to score given completions (``Policy.score``, one request): one LM
+        call and every token read as prompt tokens, ``cached_tokens`` of them from the
+        backend's prefix cache."""
+        self.charge(lm_calls=1, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens)
+
+    def charge_rm(self, tokens: int = 0) -> None:
+        """PRM tokens: one prefix scored by the reward model, ``tokens`` run through its network
+        to score it (0 for reward models that report none)."""
+        self.charge(rm_calls=1, rm_tokens=tokens)
 
     def charge_env_step(self) -> None:
-        """One env step (the engine's per-node charge: :meth:`charge` ``(env_steps=1)`` without
-        its keyword handling)."""
-        self.spent.env_steps += 1
+        """One env step."""
+        self.charge(env_steps=1)
 
     def deadline(self) -> float | None:
         """The ``time.perf_counter()`` value at which the ``seconds`` limit is reached (None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
-from .env import ReplayEnv, ValueSnapshots
+from .env import ReplayEnv
 from .tree import FAILED, TERMINAL, Node, SearchTree
 from .types import Step, Task
 
@@ -31,8 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover
 class EnvDriver:
     """The env of one search, stepping and restoring it for the tree's nodes."""
 
-    __slots__ = ("env", "tree", "budget", "faults", "max_depth", "at", "_spaces", "_lists",
-                 "_set_state")
+    __slots__ = ("env", "tree", "budget", "faults", "max_depth", "at", "_spaces", "_lists")
 
     def __init__(self, env: "Env", tree: SearchTree, budget: "Budget", faults: list[str],
                  max_depth: int):
@@ -41,9 +40,6 @@ class EnvDriver:
         self.at: int | None = 0  # the node whose state the live env holds (None: unknown)
         self._spaces: dict[int, ActionSpace] = {}
         self._lists: dict[int, list[str] | None] = {}
-        # the tree's snapshots are this env's own, so an env whose restore is the plain value
-        # one gets its state set directly, without re-checking each snapshot's kind and env
-        self._set_state = type(env).restore is ValueSnapshots.restore
 
     @staticmethod
     def open(env_factory: Callable[[str], "Env"], task: Task) -> tuple["Env", str, Any]:
@@ -54,13 +50,10 @@ class EnvDriver:
         return env, obs, env.snapshot()
 
     def _restore(self, node: Node) -> None:
+        """The env at ``node``'s state (``env.restore`` of its snapshot, unless it is there)."""
         if self.at != node.id:
             self.at = None
-            snap = node.snapshot
-            if self._set_state and snap is not None:
-                self.env.state = snap.payload
-            else:
-                self.env.restore(snap)
+            self.env.restore(node.snapshot)
             self.at = node.id
 
     def step(self, node: Node, step: Step) -> Node:

@@ -1,23 +1,24 @@
 """One :meth:`~omrl_search.engine.Engine.run`: the driver loop that keeps many searches moving.
 
-It starts tasks up to the run's concurrency, resumes each tree's coroutine with the answer to
-its last op, queues the op it yields next (LM requests, evaluations, scorings), and asks the
-engine to serve what is waiting: one policy call (``continuous``), everything (``lockstep``), or
-submit/collect with a streaming backend. What serving means — batching, budgets, deadlines,
-building children — stays in :class:`~omrl_search.engine.Engine`; this module only schedules
-(see docs/design.md §5).
+Its one job is *when*: it starts tasks up to the run's concurrency, resumes each tree's
+coroutine with the answer to its last op, queues the op it yields next (LM requests,
+evaluations, scorings), and chooses what is served next: one policy call's worth
+(``continuous``), everything (``lockstep``), or submit/collect with a streaming backend. It
+drives the engine through its public face only: ``start`` / ``result`` a search,
+``requests_for`` an op, ``serve`` / ``deliver`` / ``evaluate_all`` what it chose,
+``answer`` an op whose requests are all answered (see docs/design.md §5).
 """
 from __future__ import annotations
 
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from .batching import (BackgroundCall, Crashed, LMWait, Round, TimedCall, WaitingRequests,
-                       prompt_key, serve_scores, timeout, wait_staged)
+from .batching import Crashed, LMWait, Round, TimedCall, WaitingRequests, prompt_key
 from .budget import Budget, BudgetExhausted
 from .ops import EvaluateOp, ScoreOp, SearchContext
 from .prompts import ConstraintError
 from .result import SearchResult
+from .streaming import StreamingCalls
 from .types import Task
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -29,8 +30,7 @@ class Run:
     coroutine) and what each waits on; :meth:`loop` serves them until every task has a result."""
 
     __slots__ = ("engine", "strategy", "budget", "on_result", "queue", "results", "limit", "live",
-                 "waiting", "evals", "scores", "ready", "inflight", "streaming", "collecting",
-                 "pending", "spec")
+                 "waiting", "evals", "scores", "ready", "streaming", "pending", "spec")
 
     def __init__(self, engine: "Engine", strategy: Any, tasks: Iterable[Task], budget: Budget,
                  concurrency: int | None, on_result: Callable[[SearchResult], None] | None):
@@ -44,10 +44,9 @@ class Run:
         self.evals: dict[int, EvaluateOp] = {}  # evaluations not yet served, by tree
         self.scores: dict[int, ScoreOp] = {}  # scorings not yet served, by tree
         self.ready: list[tuple[int, Any]] = []  # trees to resume at once (an op with no requests)
-        # streaming: submitted, not yet answered: (wait, slot, deadline) by ticket
-        self.inflight: dict[int, tuple[LMWait, int, float | None]] = {}
-        self.streaming = engine.schedule == "continuous" and bool(getattr(engine.policy, "streams", False))
-        self.collecting: BackgroundCall | None = None  # a timed collect() still running
+        # a policy that batches continuously itself gets each request as soon as it is made
+        streams = engine.schedule == "continuous" and bool(getattr(engine.policy, "streams", False))
+        self.streaming = StreamingCalls(engine) if streams else None
         self.pending: tuple[TimedCall, list[tuple[LMWait, int]]] | None = None  # a timed call running
 
     def loop(self) -> list[SearchResult]:
@@ -60,17 +59,18 @@ class Run:
                 for i, value in now:
                     self.advance(i, value)
                 continue
-            if not (self.waiting or self.evals or self.scores or self.inflight or self.pending):
+            inflight = self.streaming is not None and self.streaming.inflight
+            if not (self.waiting or self.evals or self.scores or inflight or self.pending):
                 if self.live:  # every live search waits on something: a driver bug
                     raise RuntimeError("engine: live searches with nothing to serve")
                 continue
             if self.pending is not None:
                 answers = self.resume()
-            elif self.streaming:
+            elif self.streaming is not None:
                 answers = self.stream()
             else:
                 step = self.next_step()
-                answers = engine._serve(step)
+                answers = engine.serve(step)
                 self.pending = step.pending
                 self.waiting.put_back(step.unserved)
             for i in sorted(answers):
@@ -78,7 +78,7 @@ class Run:
         return self.results  # type: ignore[return-value]
 
     def start(self, i: int, task: Task) -> None:
-        started = self.engine._start(self.strategy, task, self.budget, self.spec)
+        started = self.engine.start(self.strategy, task, self.budget, self.spec)
         if isinstance(started, SearchResult):
             self.done(i, started)
             return
@@ -92,7 +92,7 @@ class Run:
 
     def finish(self, i: int, stop: str) -> None:
         ctx, _ = self.live.pop(i)
-        result = self.engine._result(self.strategy, ctx, stop, self.spec)
+        result = self.engine.result(self.strategy, ctx, stop, self.spec)
         ctx.envs.close()
         self.done(i, result)
 
@@ -121,7 +121,7 @@ class Run:
                 self.scores[i] = op
                 return
             try:
-                wait = self.engine._wait(i, op)
+                wait = self.engine.requests_for(i, op)
             except ConstraintError:  # a setting that cannot be honoured: the run's error
                 coro.close()
                 raise
@@ -133,7 +133,7 @@ class Run:
             if wait.left:
                 self.waiting.add(wait)
             else:
-                self.ready.append((i, self.engine._answer_safely(wait)))
+                self.ready.append((i, self.engine.answer(wait)))
 
     def resume(self) -> dict[int, Any]:
         """Wait on the timed call still running (to its next deadline or its end)."""
@@ -142,7 +142,7 @@ class Run:
         if timed.done:
             self.pending = None
         answers: dict[int, Any] = {}
-        self.engine._deliver(items, got, answers)
+        self.engine.deliver(items, got, answers)
         return answers
 
     def next_step(self) -> Round:
@@ -167,64 +167,10 @@ class Run:
 
     def stream(self) -> dict[int, Any]:
         """One driver step with a streaming backend: submit every waiting request (the backend's
-        scheduler adds them to what is running), then serve the pending evaluations, or else
-        collect the requests done so far. Returns the answers of the ops now complete."""
-        engine, inflight = self.engine, self.inflight
-        answers: dict[int, Any] = {}
-        done: list[tuple[int, Any]] = []
-        if self.waiting:
-            items = self.waiting.take(None)
-            if engine.prefix_order:
-                items.sort(key=lambda item: prompt_key(item[0].requests[item[1]]))
-            tickets = []
-            for wait, slot in items:
-                engine._tickets += 1
-                inflight[engine._tickets] = (wait, slot, engine._deadline(wait))
-                tickets.append((engine._tickets, wait.requests[slot]))
-            try:
-                engine.policy.submit(tickets)
-            except Exception as exc:  # the whole submission failed: each request fails alone
-                done = [(t, exc) for t, _ in tickets]
+        scheduler adds them to what is running), then serve the pending evaluations and
+        scorings, or else collect the requests done so far. Returns the answers of the ops now
+        complete."""
+        done = self.streaming.submit(self.waiting.take(None)) if self.waiting else []
         if (self.evals or self.scores) and not done:
-            ev, sc = self.side_work()
-            answers = engine._evaluate_all(ev) if ev else {}
-            if sc:
-                answers.update(serve_scores(engine.policy, sc))
-            return answers
-        if not done:
-            done = self.collect()
-        for ticket, gens in done:
-            entry = inflight.pop(ticket, None)
-            if entry is None:  # answered late, after its request was abandoned
-                continue
-            wait, slot, _ = entry
-            if wait.answer(slot, gens):
-                answers[wait.i] = engine._answer_safely(wait)
-        return answers
-
-    def collect(self) -> list[tuple[int, Any]]:
-        """The streaming policy's ``collect()``; with deadlines on a thread (one at a time: a
-        collect abandoned earlier is waited on again), waited for until the in-flight requests'
-        deadlines: those past theirs fail with LMTimeout. A collect that raises fails every
-        request in flight."""
-        policy, inflight = self.engine.policy, self.inflight
-        deadlines = [d for _, _, d in inflight.values()]
-        try:
-            if self.collecting is None and all(d is None for d in deadlines):
-                done = policy.collect()
-            else:
-                call = self.collecting or BackgroundCall(policy.collect)
-                expired = wait_staged(call, deadlines)
-                late = {t: d for (t, (_, _, d)), e in zip(inflight.items(), expired) if e}
-                fail = [(t, timeout(call, d)) for t, d in late.items()]
-                if late and len(late) == len(inflight):  # left running; looked at again next time
-                    self.collecting = call
-                    return fail
-                self.collecting = None
-                done = [(t, g) for t, g in call.result() if t not in late] + fail
-        except Exception as exc:
-            self.collecting = None
-            return [(t, exc) for t in inflight]
-        if not done:
-            raise RuntimeError("engine: a streaming policy's collect() returned nothing")
-        return done
+            return self.engine.serve(Round([], *self.side_work()))
+        return self.streaming.answers(done or self.streaming.collect())

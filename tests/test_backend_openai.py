@@ -262,7 +262,7 @@ def test_one_failing_request_does_not_lose_the_others(fake: Fake) -> None:
     assert len(fake.bodies) == 3  # a 400 is not retried
     # the engine then asks one request at a time: answered from that batch, no new HTTP call
     reqs = [req(seed=1), req(seed=2, content="BAD"), req(seed=3)]
-    out = Engine(p)._generate(reqs)
+    out = Engine(p).generate(reqs)
     assert [o[0].text if isinstance(o, list) else "error" for o in out] == ["Act: s1-0", "error", "Act: s3-0"]
     assert isinstance(out[1], PolicyError) and "bad prompt" in str(out[1])
     assert len(fake.bodies) == 3 + 3 and not p._memo  # one HTTP call per request, all used

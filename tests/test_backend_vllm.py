@@ -151,7 +151,7 @@ def test_a_bad_request_fails_alone(policy) -> None:
     with pytest.raises(PolicyError, match="max_model_len=1024"):
         policy.generate([too_long])
     # the engine retries a failed batch request by request: only the bad one is lost
-    out = Engine(policy)._generate([good, bad, good])
+    out = Engine(policy).generate([good, bad, good])
     assert isinstance(out[1], PolicyError) and "\n" not in str(out[1])
     assert out[0][0].token_ids == out[2][0].token_ids and out[0][0].token_ids
 

@@ -94,6 +94,135 @@ def test_the_checker_sees_lazy_and_dynamic_imports(tmp_path):
     assert not any("see train" in module for module, _ in got)
 
 
+# --- no private names across modules in the core (issue 40) ------------------------------------
+#: namedtuple's public methods, spelled with a leading underscore
+PUBLIC_UNDERSCORE = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
+#: reaches into private names that predate this check, in files other helpers own (the reward
+#: models' / backends' issue): each (file, name) may stay until its owner renames it; a new one fails
+KNOWN = {("omrl_search/backends/_llamacpp_grammar.py", "_LRU"),
+         ("omrl_search/backends/openai.py", "_first_line"),
+         ("omrl_search/backends/vllm.py", "_first_line"),
+         ("omrl_search/backends/vllm.py", "_looks_local"),
+         ("omrl_search/backends/llamacpp.py", "_vocab"),
+         # torch's own CPU probes (torch is passed in, so not seen as a third-party name)
+         ("omrl_search/backends/hf.py", "_is_amx_tile_supported"),
+         ("omrl_search/backends/hf.py", "_is_avx512_bf16_supported")}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _outside_modules(tree: ast.Module) -> set[str]:
+    """Names a file binds to third-party modules or their members (``torch``, ``sys``, ``os``):
+    their private attributes are not this project's to police."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {(a.asname or a.name).split(".")[0] for a in node.names
+                    if a.name.split(".")[0] not in FIRST_PARTY}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                and node.module.split(".")[0] not in FIRST_PARTY:
+            out |= {a.asname or a.name for a in node.names}
+    return out
+
+
+def _root(expr: ast.expr) -> ast.expr:
+    while isinstance(expr, (ast.Attribute, ast.Subscript)):
+        expr = expr.value
+    return expr
+
+
+def private_reaches(path: Path) -> list[tuple[int, str, str]]:
+    """(line, name, how) for every private name ``path`` takes from another module: an import of
+    a ``_name``; an import of a private module from outside its own package; an attribute
+    ``x._name`` read or written on anything but ``self`` / ``cls`` / ``super()`` (a first-party
+    object: the names a file binds to third-party modules are left alone)."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = path.relative_to(ROOT).parts[:-1]
+    outside = _outside_modules(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            parts = (node.module or "").split(".")
+            if node.level == 0:
+                where = tuple(parts[:-1])
+            else:
+                base = package[:len(package) - node.level + 1]
+                where = base + tuple(p for p in parts[:-1] if p)
+            source = where + ((parts[-1],) if parts[-1] else ())
+            for a in node.names:  # ``from . import _sibling``: a private module of its own package
+                sibling = source == package and (ROOT.joinpath(*package, a.name + ".py").exists()
+                                                 or ROOT.joinpath(*package, a.name).is_dir())
+                if _private(a.name) and not sibling:
+                    found.append((node.lineno, a.name, "import"))
+            if parts[-1] and _private(parts[-1]) and where != package:
+                found.append((node.lineno, parts[-1], "private module"))
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                parts = a.name.split(".")
+                if parts[0] in FIRST_PARTY and any(_private(p) for p in parts):
+                    found.append((node.lineno, a.name, "private module"))
+        elif isinstance(node, ast.Attribute) and _private(node.attr) \
+                and node.attr not in PUBLIC_UNDERSCORE:
+            value, root = node.value, _root(node.value)
+            if isinstance(value, ast.Name) and value.id in ("self", "cls"):
+                continue
+            if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "super":
+                continue
+            if isinstance(root, ast.Name) and root.id in outside:
+                continue
+            found.append((node.lineno, node.attr, "attribute"))
+    return found
+
+
+def private_violations() -> list[str]:
+    bad = []
+    for path in sorted((ROOT / "omrl_search").rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        bad += [f"{rel}:{line}: {how} {name!r} of another module"
+                for line, name, how in private_reaches(path) if (rel, name) not in KNOWN]
+    return bad
+
+
+def test_the_core_takes_no_private_name_from_another_module():
+    assert private_violations() == []
+
+
+def test_the_private_check_fails_on_planted_violations():
+    """The checker itself: each planted reach is caught, and what is allowed is not."""
+    probe = ROOT / "omrl_search" / "probe_private_rules.py"
+    probe.write_text("import os, sys\n"
+                     "from .engine import Engine, _hidden\n"
+                     "from .backends._kv import KV\n"
+                     "import omrl_search.backends._kv\n"
+                     "from . import scheduler\n"
+                     "class Run:\n"
+                     "    def go(self, engine, row):\n"
+                     "        engine._tickets += 1\n"
+                     "        self.engine._serve(1)\n"
+                     "        scheduler._private_helper()\n"
+                     "        self._mine, cls_ok = 1, row._replace(a=1)\n"
+                     "        super()._inherited()\n"
+                     "        sys._getframe(); os._exit\n")
+    try:
+        got = {(name, how) for _, name, how in private_reaches(probe)}
+        listed = [v for v in private_violations() if "probe_private_rules" in v]
+    finally:
+        probe.unlink()
+    assert got == {("_hidden", "import"), ("_kv", "private module"),
+                   ("omrl_search.backends._kv", "private module"), ("_tickets", "attribute"),
+                   ("_serve", "attribute"), ("_private_helper", "attribute")}
+    assert len(listed) == 6
+    backends = ROOT / "omrl_search" / "backends"
+    sibling = backends / "probe_private_sibling.py"  # a package's private module, used inside it
+    sibling.write_text("from ._kv import KV\nfrom ..backends._decode import x\nfrom . import _kv\n")
+    try:
+        assert private_reaches(sibling) == []
+    finally:
+        sibling.unlink()
+
+
 def _python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                           timeout=120)

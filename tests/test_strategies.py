@@ -38,7 +38,7 @@ def ledger(monkeypatch):
     """Log, per budget, every passing check and every charge with the driver round it fell in."""
     log: dict[int, list] = defaultdict(list)
     rounds = [0]
-    check, charge, serve = Budget.check, Budget.charge, Engine._serve
+    check, charge, serve = Budget.check, Budget.charge, Engine.serve
 
     def logged_check(self):
         check(self)
@@ -54,7 +54,7 @@ def ledger(monkeypatch):
 
     monkeypatch.setattr(Budget, "check", logged_check)
     monkeypatch.setattr(Budget, "charge", logged_charge)
-    monkeypatch.setattr(Engine, "_serve", counted_serve)
+    monkeypatch.setattr(Engine, "serve", counted_serve)
     return log
 
 
