@@ -289,6 +289,11 @@ class LlamaCppPolicy(ChunkedDecoder, Policy):
     def _prompt_ids(self, req: GenRequest) -> list[int]:
         return request_prompt_ids("llamacpp", req, self.tokenizer, self.n_vocab, self.n_ctx, "n_ctx")
 
+    @property
+    def is_open(self) -> bool:
+        """Whether a model is loaded (not yet :meth:`close` d)."""
+        return self._ctx is not None or self._model is not None
+
     def _check_open(self) -> None:
         if self._ctx is None:
             raise PolicyError("llamacpp: policy is closed")
@@ -622,7 +627,7 @@ def close_open_policies(wait: float = 30.0) -> int:
         return 0
     closed = 0
     for policy in list(_OPEN):
-        if policy._ctx is not None or policy._model is not None:
+        if policy.is_open:
             policy.close()
             closed += 1
     _OPEN.clear()
