@@ -25,8 +25,15 @@ class Task:
     data: dict[str, Any] = field(default_factory=dict)
 
 
-#: completion tokens per step when nobody says otherwise (CLI, API, configs and backends read this)
+#: completion tokens per step when nobody says otherwise (CLI, API, configs, the loop, online
+#: GRPO and backends read this): the one default for an agent's step
 DEFAULT_MAX_TOKENS = 96
+#: completion tokens for a ToT proposal: one completion lists several next steps (the propose
+#: prompt of Yao et al.), so it needs room for a few steps, not one
+PROPOSAL_MAX_TOKENS = 160
+#: completion tokens for a verdict: a ToT value prompt's "sure/likely/impossible" with a short
+#: reason, or an LLM judge's score; short, so a verdict costs less than a step
+VERDICT_MAX_TOKENS = 64
 
 
 @dataclass(slots=True, init=False)

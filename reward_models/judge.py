@@ -25,7 +25,7 @@ from typing import Any
 from omrl_search.reward import AGGREGATIONS, RewardModel, register_reward_model
 from omrl_search.specs import parse_kv
 from omrl_search.tree import Trajectory
-from omrl_search.types import GenRequest, SamplingParams
+from omrl_search.types import VERDICT_MAX_TOKENS, GenRequest, SamplingParams
 
 JUDGE_PROMPT = (
     "You grade an agent's progress on a task.\n\nTask: {task}\n\nStart: {start}\n\n"
@@ -67,7 +67,7 @@ class LLMJudge(RewardModel):
     """A prompted policy as a reward model (see the module docstring)."""
 
     def __init__(self, policy: Any, *, samples: int = 1, temperature: float = 0.0,
-                 max_tokens: int = 48, per_step: str = "last", aggregation: str = "last",
+                 max_tokens: int = VERDICT_MAX_TOKENS, per_step: str = "last", aggregation: str = "last",
                  scale: float = 10.0, strict: bool = False, prompt: str = JUDGE_PROMPT):
         from omrl_search.policy import make_policy
 

@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 from omrl_search.strategy import Strategy, register_strategy
 from omrl_search.tree import PRUNED
+from omrl_search.types import PROPOSAL_MAX_TOKENS
 
 from .values import (ANSWER_PROMPT, ORDERS, best_answer, check_dedup, check_value,
                      dedup_nodes, engine_dedup, history, keep_best, last_step_values, make_value,
@@ -78,7 +79,7 @@ class ProposePrompt:
 
     def __init__(self, prompt: "str | Callable | None" = None,
                  parse: Callable[[str], list[str]] | None = None, temperature: float | None = None,
-                 max_tokens: int = 160, dedup: str = "none"):
+                 max_tokens: int = PROPOSAL_MAX_TOKENS, dedup: str = "none"):
         self.prompt, self.parse = prompt, parse or self.parse_actions
         self.temperature, self.max_tokens, self.dedup = temperature, max_tokens, dedup
 

@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from omrl_search.reward import AGGREGATIONS, aggregate
 from omrl_search.tree import FAILED, PRUNED, TERMINAL, Node, unique_states
+from omrl_search.types import VERDICT_MAX_TOKENS
 
 SOURCES = ("auto", "rm", "heuristic", "lm", "logprob", "rollout")
 _ID = attrgetter("id")
@@ -192,7 +193,7 @@ class LMValue(ValueSource):
 
     def __init__(self, agg: str = "last", n: int = 3, mapping: "dict[str, float] | str | None" = None,
                  prompt: "str | Callable[[Any, Node], str]" = VALUE_PROMPT, reduce: str = "mean",
-                 temperature: float | None = None, max_tokens: int = 64,
+                 temperature: float | None = None, max_tokens: int = VERDICT_MAX_TOKENS,
                  answer_prompt: "str | Callable[[Any, Node], str] | None" = None,
                  cache_by: str = "state"):
         super().__init__(agg)

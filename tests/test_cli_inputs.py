@@ -271,3 +271,17 @@ def test_label_files_leave_no_folder_when_writing_fails(tmp_path):
     assert _tree(tmp_path) == []
     assert write_labels([{**row, "split": "train"}], tmp_path / "new" / "labels")  # the control
     assert (tmp_path / "new" / "labels" / "train.parquet").is_file()
+
+
+@pytest.mark.parametrize("how", ["set", "yaml"])
+def test_loop_out_given_only_in_the_config_is_checked_too(how, tmp_path, capsys):
+    """``out`` from ``--set`` or the YAML file (not the --out flag main() checks) is checked by
+    the loop itself, before any work: one line, exit 2, nothing written."""
+    out = _unwritable() / "x"
+    if how == "set":
+        argv = ["loop", "--env", "game24", "--policy", "scripted:oracle", "--set", f"out={out}"]
+    else:
+        cfg = tmp_path / "loop.yaml"
+        cfg.write_text(f"env: game24\npolicy: scripted:oracle\nout: {out}\n")
+        argv = ["loop", "--config", str(cfg)]
+    _refused(argv, capsys, tmp_path, f"out {out}", "is not writable")

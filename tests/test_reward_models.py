@@ -61,7 +61,7 @@ def test_registry_lists_every_kind_without_importing_torch():
             "import reward_models.labels, train.prm; "
             "print(names, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['judge', 'orm', 'prm', 'rules'] False"
+    assert out.strip() == "['implicit', 'judge', 'orm', 'prm', 'rules'] False"
 
 
 # --- metrics --------------------------------------------------------------------------------------

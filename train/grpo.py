@@ -54,7 +54,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from omrl_search.executors import parse_executor
-from omrl_search.types import Task
+from omrl_search.types import DEFAULT_MAX_TOKENS, Task
 
 from .common import (AdvantageName, AggregationName, PolicyConfig, Reference, grammar_masks,
                      layout_collate, make_builder, pad_id, policy_logprobs)
@@ -79,7 +79,7 @@ class OnlineSettings(BaseModel):
     unit: Literal["trajectory", "step"] = "trajectory"
     agent: AgentName = "react"  # the format the samples are written in: the model's own
     temperature: float = Field(1.0, ge=0)
-    max_tokens: int = Field(64, ge=1)
+    max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1)
     max_depth: int | None = Field(None, ge=1)
     budget: str | None = None
     # structured decoding while sampling (the trainer rebuilds each step's mask: the ratio and

@@ -37,20 +37,17 @@ from pydantic import BaseModel, ConfigDict, Field
 from omrl_search.bench import parse_budgets, split_strategies
 from omrl_search.budget import Budget
 from omrl_search.env import env_class
+from omrl_search.outdir import check_out_path
 from omrl_search.policy import PolicyError
 from omrl_search.report import collect, render
 from omrl_search.result import write_text_atomic
 from omrl_search.strategy import make_strategy
+from omrl_search.types import DEFAULT_MAX_TOKENS
 
 from . import loop_stages as st
 from .config import AgentName, TrainError, settings_from_sources
 from .loop_curriculum import CurriculumSettings, check_levels
 from .loop_stages import TRAINERS, TaskSets
-
-#: the loop's completion tokens per step, in every search and evaluation: a loop setting, shorter
-#: than the search default (:data:`omrl_search.types.DEFAULT_MAX_TOKENS`) so rounds on a CPU stay
-#: short; the loop's measured runs used it (``--max-tokens`` / ``max_tokens:`` change it)
-LOOP_MAX_TOKENS = 48
 
 
 class LoopConfig(BaseModel):
@@ -60,7 +57,7 @@ class LoopConfig(BaseModel):
     rounds: int = Field(2, ge=1)
     out: str = "runs/loop"
     seed: int = 0
-    max_tokens: int = Field(LOOP_MAX_TOKENS, ge=1)  # completion tokens per step, in every search
+    max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1)  # per step, in every search (configs set 16)
     temperature: float = Field(1.0, ge=0)
     # the agent format of every search, eval and demonstration (omrl_search.agent): react
     # (Think line, then Act) or act (the Act line alone: a few tokens a step)
@@ -230,6 +227,7 @@ def run_loop(cfg: LoopConfig) -> dict[str, Any]:
     from .loop_report import round_report  # scipy: loaded when a loop runs, not by `omrl --help`
 
     cfg.check()
+    check_out_path(cfg.out, "out")  # also when it came from the YAML or --set, before any work
     sets = TaskSets(cfg)
     run = Run(cfg)
     run.open()
