@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from .checkpoint_files import STATE_FILE, publish_folder
 from .config import TrainError
 
 DS_TAG = "ds"
@@ -73,7 +74,6 @@ def _gathered(runner: Any) -> Any:
 def save_deepspeed_checkpoint(runner: Any, final: Path) -> None:
     import torch
 
-    from .runtime import STATE_FILE
 
     dist = _dist()
     tmp = final.with_name(".tmp-" + final.name)
@@ -95,7 +95,6 @@ def save_deepspeed_checkpoint(runner: Any, final: Path) -> None:
 def load_deepspeed_checkpoint(runner: Any, ckpt: Path) -> dict[str, Any]:
     import torch
 
-    from .runtime import STATE_FILE
 
     meta = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=False)
     if meta.get("world") != runner.world:
@@ -108,7 +107,6 @@ def load_deepspeed_checkpoint(runner: Any, ckpt: Path) -> dict[str, Any]:
 
 
 def save_deepspeed_final(runner: Any) -> Path:
-    from .runtime import publish_folder
 
     dist = _dist()
     out = runner.out

@@ -32,121 +32,15 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from omrl_search.bench import parse_budgets, split_strategies
-from omrl_search.budget import Budget
-from omrl_search.env import env_class
 from omrl_search.outdir import check_out_path
 from omrl_search.policy import PolicyError
 from omrl_search.report import collect, render
 from omrl_search.result import write_text_atomic
-from omrl_search.strategy import make_strategy
-from omrl_search.types import DEFAULT_MAX_TOKENS
 
 from . import loop_stages as st
-from .config import AgentName, TrainError, settings_from_sources
-from .loop_curriculum import CurriculumSettings, check_levels
-from .loop_stages import TRAINERS, TaskSets
-
-
-class LoopConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    env: str = "game24"
-    policy: str = "smollm2"  # the base policy: smollm2, an HF folder, or a policy spec (scripted:...)
-    rounds: int = Field(2, ge=1)
-    out: str = "runs/loop"
-    seed: int = 0
-    max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1)  # per step, in every search (configs set 16)
-    temperature: float = Field(1.0, ge=0)
-    # the agent format of every search, eval and demonstration (omrl_search.agent): react
-    # (Think line, then Act) or act (the Act line alone: a few tokens a step)
-    agent: AgentName = "react"
-    # search on the train split (without the dev slice's puzzles)
-    train_limit: int = Field(64, ge=1)
-    search_strategy: str = "best_of_n:n=4"
-    search_budget: str = "tokens=4000"
-    expert_demos: int = Field(0, ge=0)  # solver demonstrations added to round 1's data
-    curriculum: CurriculumSettings | None = None
-    # the PRM
-    prm: bool = True
-    prm_base: str = "smollm2"
-    prm_settings: dict[str, Any] = Field(default_factory=lambda: {
-        "max_steps": 60, "keep_layers": 8, "train_layers": 2, "batch_size": 8})
-    label_rollouts: int = Field(0, ge=0)  # extra MC rollouts per step (0: the trees' own leaves)
-    # label the solver demonstrations for the PRM too (all successes, worded unlike the policy:
-    # they teach "solver-like = good", which a search over the policy's own steps cannot use)
-    prm_demos: bool = True
-    # policy training
-    first: list[str] = Field(default_factory=lambda: ["sft"])
-    then: list[str] = Field(default_factory=lambda: ["rs_sft", "dpo"])
-    # per-round trainers (round r runs schedule[r-1], the last entry repeating); replaces first/then
-    schedule: list[list[str]] | None = None
-    rs_cap: int = Field(2, ge=1)  # rs_sft: distinct successful trajectories kept per task
-    trainer_settings: dict[str, dict[str, Any]] = Field(default_factory=lambda: {
-        "sft": {"max_steps": 100, "lr": 5e-5, "batch_size": 4},
-        "rs_sft": {"max_steps": 40, "lr": 2e-5, "batch_size": 4},
-        "dpo": {"max_steps": 40, "lr": 5e-6, "batch_size": 2},
-        "grpo": {"max_steps": 40, "lr": 2e-6, "batch_size": 4}})
-    save_every: int = Field(10, ge=1)  # trainer checkpoints, for resuming a killed stage
-    # keep-best: the dev slice (the last dev_limit train tasks; 0: every stage kept unchecked)
-    dev_limit: int = Field(100, ge=0)
-    dev_strategies: str = "react,best_of_n:n=4"
-    dev_budget: str = "tokens=2000"
-    keep_alpha: float = Field(0.05, gt=0, lt=1)
-    # evaluation on the test split (reported; no decision looks at it)
-    test_limit: int = Field(200, ge=1)
-    eval_strategies: str = "react,best_of_n,mcts"
-    eval_budgets: str = "tokens=1000,4000"
-    progress: bool = True
-
-    def check(self) -> None:
-        """Cross-field checks, as one-line errors."""
-        env_class(self.env)
-        make_strategy(self.search_strategy)
-        Budget.parse(self.search_budget)
-        for s in split_strategies(self.eval_strategies) + split_strategies(self.dev_strategies):
-            make_strategy(s)
-        parse_budgets(self.eval_budgets)
-        if len(parse_budgets(self.dev_budget)[1]) != 1:
-            raise ValueError(f"dev_budget: one budget, got {self.dev_budget!r}")
-        if self.schedule is not None and not self.schedule:
-            raise ValueError("schedule: at least one round's trainers")
-        for name in self.first + self.then + sum(self.schedule or [], []) + list(self.trainer_settings):
-            if name not in TRAINERS:
-                raise ValueError(f"unknown trainer {name!r} (one of {', '.join(TRAINERS)})")
-        self._check_trainer_settings()
-        if self.curriculum is not None:
-            check_levels(self.env, self.curriculum)
-        for key in ("policy", "prm_base"):  # before loop.json or any stage is written
-            model = getattr(self, key)
-            if key == "prm_base" and not self.prm:
-                continue
-            if model != "smollm2" and not Path(model).exists() and (key == "prm_base" or ":" not in model):
-                raise ValueError(f"{key}: {model} does not exist (smollm2 or an HF model folder)")
-
-
-    def _check_trainer_settings(self) -> None:
-        """Each trainer's settings against its config model, so a bad key fails before round 0
-        (not hours later, when its stage starts)."""
-        from pydantic import ValidationError
-
-        from .loop_stages import TRAINER_OF
-        from .trainers import TRAINERS as trainers  # torch: the loop is about to run anyway
-
-        for kind, settings in self.trainer_settings.items():
-            try:
-                trainers[TRAINER_OF[kind]].config.model_validate(settings)
-            except ValidationError as exc:
-                err = exc.errors()[0]
-                where = ".".join(str(p) for p in err["loc"])
-                raise ValueError(f"trainer_settings.{kind}.{where}: {err['msg']}") from None
-
-    def trainers(self, r: int) -> list[str]:
-        """The trainers round ``r`` (from 1) runs, in order."""
-        if self.schedule is not None:
-            return list(self.schedule[min(r, len(self.schedule)) - 1])
-        return list(self.first if r == 1 else self.then)
+from .config import TrainError, settings_from_sources
+from .loop_config import LoopConfig
+from .loop_stages import TaskSets
 
 
 class LoopError(Exception):

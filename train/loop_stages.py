@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import omrl_search as om
 from omrl_search.bench import bench
@@ -16,15 +16,10 @@ from omrl_search.result import read_results
 from omrl_search.types import SamplingParams, Task
 
 from . import loop_curriculum as curriculum
+from .loop_config import TRAINER_OF, TRAINERS, LoopConfig
 from .loop_select import check_disjoint, decide, dev_score, dev_slice, without
 
-if TYPE_CHECKING:
-    from .loop import LoopConfig
 
-#: the trainers a round can run; ``rs_sft`` is SFT on the round's own search successes
-TRAINERS = ("sft", "rs_sft", "dpo", "grpo")
-#: which trainer of :data:`train.trainers.TRAINERS` runs a loop trainer
-TRAINER_OF = {"sft": "sft", "rs_sft": "sft", "dpo": "dpo", "grpo": "grpo"}
 
 
 def policy_spec(model: str) -> str:

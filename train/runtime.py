@@ -50,6 +50,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from omrl_search.result import write_text_atomic
 
+from .checkpoint_files import STATE_FILE, publish_folder
 from .config import DeepSpeedSettings, LoraSettings, TrainConfig, TrainError
 from .models import apply_lora, is_peft, load_model, load_weights, resolve_model_path
 
@@ -58,7 +59,6 @@ __all__ = ["BatchSource", "DeepSpeedSettings", "ListSource", "LoraSettings", "Ru
            "resolve_model_path"]
 
 MARKER = "omrl-train.json"
-STATE_FILE = "trainer_state.pt"
 
 
 # --- data sources ----------------------------------------------------------------------------------
@@ -529,19 +529,6 @@ def set_rng_state(torch: Any, state: dict[str, Any]) -> None:
         np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def publish_folder(tmp: Path, dest: Path) -> None:
-    """Move every entry of ``tmp`` into ``dest`` (replacing same-named entries), then drop tmp."""
-    dest.mkdir(parents=True, exist_ok=True)
-    for entry in tmp.iterdir():
-        target = dest / entry.name
-        if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target)
-        os.replace(entry, target)
-    tmp.rmdir()
-
-
 
 
 def _ds_lr(engine: Any) -> float:
