@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from omrl_search.host import describe
 from omrl_search.stats import fmt_paired, fmt_rate, paired
 
 from .loop_stages import bench_outcomes
@@ -126,6 +127,9 @@ def prm_table(history: list[dict[str, Any]]) -> list[str]:
 def round_report(cfg: Any, history: list[dict[str, Any]], best: dict[str, Any]) -> str:
     """The whole report after the last round in ``history``."""
     lines = [f"# omrl loop: {cfg.env}, base policy `{cfg.policy}`, rounds 0-{history[-1]['round']}", ""]
+    last = history[-1]["eval"]
+    if last.get("host"):  # every figure below was taken on this host, in this dtype
+        lines += [describe(last["host"], last.get("dtype")), ""]
     lines += test_tables(cfg, history) + [""]
     lines += keep_table(cfg, history, best)
     if len(history) > 1:

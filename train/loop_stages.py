@@ -304,8 +304,10 @@ def eval_stage(cfg: "LoopConfig", sets: TaskSets, model: str, prm: str | None):
     """The test split (reported, never decided on): every eval strategy at every eval budget."""
     def run(d: Path) -> dict[str, Any]:
         rows = _bench(cfg, sets.test(), cfg.eval_strategies, cfg.eval_budgets, model, prm, d)
+        ran_on = json.loads((d / "summary.json").read_text())["config"]  # bench's host and dtype
         info = {"policy": policy_spec(model), "prm": prm, "rows": rows,
-                "success": {n: {b: s["success_rate"] for b, s in per.items()} for n, per in rows.items()}}
+                "success": {n: {b: s["success_rate"] for b, s in per.items()} for n, per in rows.items()},
+                "host": ran_on.get("host"), "dtype": ran_on.get("dtype")}
         if prm:  # the round's PRM on these held-out trees (see train.loop_prm.heldout)
             from .loop_prm import heldout
 
