@@ -54,7 +54,6 @@ import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch / llama_cpp load libgomp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from omrl_search.types import GenRequest, SamplingParams  # noqa: E402
 

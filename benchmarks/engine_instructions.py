@@ -83,7 +83,6 @@ class Meter:
 
 def child(args) -> None:
     """Runs under callgrind: each side's search and replays, stretch names to ``sides.json``."""
-    sys.path.insert(0, str(HERE))
     import engine_overhead as eo
     import engine_overhead_reference as ref
     from envs.game24 import Game24Env

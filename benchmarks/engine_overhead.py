@@ -31,11 +31,8 @@ import os
 import platform
 import pstats
 import random
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import omrl_search as om  # noqa: E402
 from envs.arith import fmt  # noqa: E402

@@ -87,12 +87,10 @@ import platform
 import random
 import sys
 import types
-from pathlib import Path
 from typing import NamedTuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import engine_overhead as eo  # noqa: E402  (puts the repo root on sys.path)
+import engine_overhead as eo  # noqa: E402
 import omrl_search as om  # noqa: E402
 from envs.game24 import Game24Env  # noqa: E402
 from omrl_search.agent import ReActFormat  # noqa: E402

@@ -67,8 +67,6 @@ import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch / llama_cpp load libgomp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import omrl_search as om  # noqa: E402
 from backend_throughput import requests as peak_requests  # noqa: E402

@@ -32,11 +32,9 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import omrl_search as om  # noqa: E402
 from omrl_search.backends.scripted import OraclePolicy  # noqa: E402

@@ -17,11 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def _cpu() -> float:

@@ -26,12 +26,9 @@ import argparse
 import json
 import os
 import random
-import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from envs.sciworld import SciWorldEnv  # noqa: E402
 from omrl_search.env import ReplayDivergence, make_env  # noqa: E402

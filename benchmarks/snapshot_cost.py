@@ -32,10 +32,8 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from omrl_search.env import Env, env_class, list_envs, make_env  # noqa: E402
 

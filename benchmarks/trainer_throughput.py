@@ -288,8 +288,8 @@ def run_worker(side: str, kind: str, a: argparse.Namespace, data: dict[str, str]
         cmd += ["--refs", refs]
     env = dict(os.environ)
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle threads sleep: CPU time is work done
-    if side == "before":
-        env["OMRL_TRAIN_PATH"] = baseline or ""
+    if side == "before" and baseline:  # DIR/train imported before the installed one
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [baseline, env.get("PYTHONPATH")]))
     load0 = os.getloadavg()[0]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -393,7 +393,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if os.environ.get("OMRL_TRAIN_PATH"):  # the 'before' side: another version of train/ first
-        sys.path.insert(0, os.environ["OMRL_TRAIN_PATH"])
-    sys.path.insert(1 if os.environ.get("OMRL_TRAIN_PATH") else 0, str(ROOT))
     main()

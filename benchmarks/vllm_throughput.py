@@ -21,9 +21,8 @@ import sys
 import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.backend_throughput import requests, run_scenario  # noqa: E402
+from backend_throughput import requests, run_scenario  # noqa: E402
 from omrl_search.policy import make_policy  # noqa: E402
 
 

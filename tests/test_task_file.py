@@ -1,4 +1,4 @@
-"""benchmarks/task_file.py: a task file of chosen levels that loads back and leaves out the dev slice."""
+"""train/task_file.py (``python -m train.task_file``): a task file of chosen levels that loads back and leaves out the dev slice."""
 import json
 import subprocess
 import sys
@@ -7,11 +7,10 @@ from pathlib import Path
 from envs.countdown import CountdownEnv
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "benchmarks" / "task_file.py"
 
 
 def run(*args):
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT)
+    return subprocess.run([sys.executable, "-m", "train.task_file", *args], capture_output=True, text=True, cwd=ROOT)
 
 
 def test_levels_counts_and_no_dev_slice(tmp_path):

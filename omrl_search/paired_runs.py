@@ -6,7 +6,7 @@ PRM-guided search run after the heuristic one, a checkpoint against the base mod
 each bench's ``outcomes.jsonl``. A run is ``FILE[:STRATEGY[@BUDGET]]``; with several strategies
 in a file, name one.
 
-    python benchmarks/paired_runs.py runs/bench-loop-countdown/outcomes.jsonl:mcts@tokens=3000 \
+    python -m omrl_search.paired_runs runs/bench-loop-countdown/outcomes.jsonl:mcts@tokens=3000 \
         runs/bench-prm-countdown/outcomes.jsonl:mcts@tokens=3000
 
 Prints one line per run and the test, then as its last line one JSON object.
@@ -16,9 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def load(spec: str) -> tuple[str, dict[str, bool], dict[str, float]]:

@@ -3,14 +3,14 @@ the first N tasks of chosen levels, leaving out the split's last ``--skip-last``
 loop's dev slice is the train split's last ``dev_limit`` tasks, so training data never touches
 the puzzles keep-best decides on).
 
-    python benchmarks/task_file.py --env countdown --split train --level 1:120 --level 2:120 \\
+    python -m train.task_file --env countdown --split train --level 1:120 --level 2:120 \\
         --skip-last 100 --out runs/ei/tasks.jsonl
 
 A split with knobs (``train:level=1``) is its own seeded stream, which can hold puzzles of the
 plain split's dev slice: ``--exclude-last train:100`` leaves those out by puzzle (the loop's
 ``puzzle_key``, not the id), and ``--exclude-file`` leaves out the puzzles of an earlier task file.
 
-    python benchmarks/task_file.py --env countdown --split train:level=1 --level 1:400 \\
+    python -m train.task_file --env countdown --split train:level=1 --level 1:400 \\
         --exclude-last train:100 --exclude-file runs/ei/tasks.jsonl --out runs/ei2/tasks.jsonl
 
 A row is the task's id, split and data; every row is read back through the env's own
@@ -22,8 +22,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def level_counts(specs: list[str]) -> dict[int, int]:
