@@ -49,6 +49,8 @@ from ._env_pool import PROTOCOL, ApiError, EnvPool
 from .server_limits import MAX_READING, READ_TIMEOUT, bounded_http
 
 MAX_ACTION_CHARS = 100_000
+#: where /reset takes its task from: exactly one of these fields
+TASK_SOURCES = ("data_idx", "session_id", "task")
 _QUERIES = ("observation", "valid_actions", "expert_action", "heuristic")  # GET ?id=
 MAX_BODY_MB = 4.0
 TOKEN_VAR = "OMRL_ENV_SERVER_TOKEN"  # the bearer token, when --token is not given
@@ -235,7 +237,16 @@ def create_app(env: str, *, max_envs: int = 64, idle_timeout: float = 600.0,
         instruction: str = ""
         data: dict[str, Any] = {}
 
+    def one_task_source(schema: dict[str, Any]) -> None:
+        """The schema says what the server accepts: exactly one of data_idx, session_id, task
+        (beside the id rule an env-ref class may already state)."""
+        rules = schema.setdefault("allOf", [])
+        rules.append({"oneOf": [{"required": [k]} for k in TASK_SOURCES]})
+        if webshop:  # this class's own extra replaces EnvIdxRef's: restate its id rule
+            rules.append({"oneOf": [{"required": ["id"]}, {"required": ["env_idx"]}]})
+
     class ResetBody(EnvRef):
+        model_config = ConfigDict(strict=True, json_schema_extra=one_task_source)
         data_idx: int | None = Field(None, description="index into the env's task list of `split` "
                                                        "(any index >= 0, taken modulo its size)")
         session_id: int | None = Field(None, description="WebShop's name for data_idx")
@@ -243,6 +254,12 @@ def create_app(env: str, *, max_envs: int = 64, idle_timeout: float = 600.0,
         task: TaskBody | None = Field(None, description="a full task instead of data_idx, checked by "
                                                         "the env's task_from_dict")
         snapshot: bool = Field(False, description="also store a snapshot of the new state")
+
+        @model_validator(mode="after")
+        def _one_source(self):
+            if sum(getattr(self, k) is not None for k in TASK_SOURCES) != 1:
+                raise ValueError("give exactly one of data_idx (with split), session_id or task")
+            return self
 
     class StepBody(EnvRef):
         action: str = Field(max_length=MAX_ACTION_CHARS)
@@ -372,9 +389,7 @@ def create_app(env: str, *, max_envs: int = 64, idle_timeout: float = 600.0,
                                                                    "$response.body#/snapshot_id")),
               summary="start a task: data_idx into the split's task list, or a full task")
     def reset(body: ResetBody):
-        index = body.data_idx if body.data_idx is not None else body.session_id
-        if (index is None) == (body.task is None) or None not in (body.data_idx, body.session_id):
-            raise ApiError(422, "give either data_idx (with split) or task, not both or neither")
+        index = body.data_idx if body.data_idx is not None else body.session_id  # or a task
         task = None if body.task is None else body.task.model_dump()
         out = pool.reset(body.ref, task=task, data_idx=index, split=body.split, snapshot=body.snapshot)
         return (out["observation"], None) if body.env_idx is not None else out  # WebShop's answer

@@ -385,3 +385,32 @@ def test_read_limits_are_checked():
     for bad in ((0.0, 8), (1.0, 0), (float("nan"), 8)):
         with pytest.raises(ValueError, match="read_timeout must be > 0"):
             bounded_http(*bad)
+
+
+# --- /reset: the schema says what the server accepts -------------------------------------------
+RESET_BODIES = [({"id": 0, "data_idx": 1}, True), ({"id": 0, "session_id": 1}, True),
+                ({"id": 0, "task": {"task_id": "t", "data": {"numbers": [4, 6, 1, 1]}}}, True),
+                ({"id": 0}, False), ({"id": 0, "data_idx": 1, "session_id": 2}, False),
+                ({"id": 0, "data_idx": 1, "task": {"task_id": "t"}}, False)]
+
+
+def _reset_schema(url: str) -> dict:
+    spec = httpx.get(f"{url}/openapi.json", timeout=5).json()
+    ref = spec["paths"]["/reset"]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    schema = dict(spec["components"]["schemas"][ref.rsplit("/", 1)[1]])
+    schema["components"] = spec["components"]  # its $refs resolve inside the spec
+    return schema
+
+
+@pytest.mark.parametrize("body,accepted", RESET_BODIES)
+def test_reset_schema_and_server_agree(body, accepted):
+    jsonschema = pytest.importorskip("jsonschema")
+    with serving(create_app("game24")) as url:
+        schema = _reset_schema(url)
+        valid = jsonschema.Draft202012Validator(schema).is_valid(body)
+        env = httpx.post(f"{url}/create", json={"first_episode": False}, timeout=5).json()["id"]
+        r = httpx.post(f"{url}/reset", json={**body, "id": env}, timeout=10)
+    assert valid is accepted
+    assert (r.status_code == 200) is accepted, r.text
+    if not accepted:
+        assert r.status_code == 422 and "exactly one of data_idx" in r.text
