@@ -8,7 +8,7 @@ alone, and (2) the keys/values of a shared prefix are the same for every episode
 
 * a **memo** of read logits keyed by a digest of ``ids[:p + 1]`` (LRU, bounded in entries): the
   parent's steps are not read again;
-* a **KV radix cache** (:class:`~omrl_search.backends._prefix_cache.RadixCache`, the ``hf``
+* a **KV radix cache** (:class:`~omrl_search.prefix_cache.RadixCache`, the ``hf``
   policy backend's, bounded in MiB with LRU eviction): only the tokens after the longest cached
   prefix go through the backbone.
 
@@ -23,7 +23,7 @@ from array import array
 from collections import OrderedDict
 from typing import Any, Sequence
 
-from omrl_search.backends._prefix_cache import RadixCache
+from omrl_search.prefix_cache import RadixCache
 
 #: memory bound of the KV cache (MiB) and of the memo (read positions) by default
 DEFAULT_CACHE_MB = 512
@@ -115,7 +115,7 @@ class PrefixScorer:
                  out: list[list[float | None]], pad_id: int) -> None:
         import torch
 
-        from omrl_search.backends._kv import kv_of_row, load_cached, make_cache
+        from omrl_search.kv_rows import kv_of_row, load_cached, make_cache
 
         dev = model.head.weight.device
         backbone = model.backbone

@@ -27,7 +27,7 @@ import shutil
 import tempfile
 from typing import Any, Iterator, Sequence
 
-from omrl_search.backends._prefix_cache import cache_limit
+from omrl_search.prefix_cache import cache_limit
 from omrl_search.reward import AGGREGATIONS, RewardModel, register_reward_model
 from omrl_search.specs import split_path_spec
 from omrl_search.tree import Trajectory

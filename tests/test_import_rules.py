@@ -194,8 +194,8 @@ def test_the_private_check_fails_on_planted_violations():
     probe = ROOT / "omrl_search" / "probe_private_rules.py"
     probe.write_text("import os, sys\n"
                      "from .engine import Engine, _hidden\n"
-                     "from .backends._kv import KV\n"
-                     "import omrl_search.backends._kv\n"
+                     "from .backends._decode import Row\n"
+                     "import omrl_search.backends._decode\n"
                      "from . import scheduler\n"
                      "class Run:\n"
                      "    def go(self, engine, row):\n"
@@ -210,13 +210,13 @@ def test_the_private_check_fails_on_planted_violations():
         listed = [v for v in private_violations() if "probe_private_rules" in v]
     finally:
         probe.unlink()
-    assert got == {("_hidden", "import"), ("_kv", "private module"),
-                   ("omrl_search.backends._kv", "private module"), ("_tickets", "attribute"),
+    assert got == {("_hidden", "import"), ("_decode", "private module"),
+                   ("omrl_search.backends._decode", "private module"), ("_tickets", "attribute"),
                    ("_serve", "attribute"), ("_private_helper", "attribute")}
     assert len(listed) == 6
     backends = ROOT / "omrl_search" / "backends"
     sibling = backends / "probe_private_sibling.py"  # a package's private module, used inside it
-    sibling.write_text("from ._kv import KV\nfrom ..backends._decode import x\nfrom . import _kv\n")
+    sibling.write_text("from ._decode import Row\nfrom ..backends._decode import x\nfrom . import _decode\n")
     try:
         assert private_reaches(sibling) == []
     finally:

@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from omrl_search.backends._prefix_cache import RadixCache  # noqa: E402
+from omrl_search.prefix_cache import RadixCache  # noqa: E402
 from omrl_search.backends.hf import HFPolicy  # noqa: E402
 from omrl_search.policy import PolicyError, make_policy  # noqa: E402
 from omrl_search.types import GenRequest, SamplingParams  # noqa: E402

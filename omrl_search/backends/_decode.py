@@ -4,8 +4,8 @@ each chunk prefilled and then decoded one token per step for all its rows togeth
 :class:`ChunkedDecoder` holds the loop; a backend supplies the model-specific parts (prefill a
 chunk, sample a batch of logits, feed the sampled tokens back) as the methods listed there.
 :class:`Row` is one sequence's bookkeeping; :func:`prefix_groups` finds the prompt prefixes a
-chunk shares, which both backends compute once; :func:`common_prefix` is what their prefix caches
-match prompts with.
+chunk shares, which both backends compute once (with
+:func:`omrl_search.prefix_cache.common_prefix`, what their prefix caches match prompts with).
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import functools
 import random
 from typing import Any, Sequence
 
+from ..prefix_cache import common_prefix
 from ..constrain import Grammar, GrammarError, stamp
 from ..types import GenRequest, Generation
 
@@ -230,24 +231,6 @@ def _can_check() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("xgrammar") is not None
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int], cap: int) -> int:
-    """Length of the longest common prefix of ``a`` and ``b`` (both lists or both tuples), at
-    most ``cap``: slices compared in C, bisected (both backends' prefix caches use it)."""
-    n = min(len(a), len(b), cap)
-    if n <= 0:
-        return 0
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 def _shared_prefix(prompts: list[list[int]]) -> int:

@@ -19,7 +19,7 @@ import ctypes
 from collections import OrderedDict
 from typing import Any, Sequence
 
-from ._decode import common_prefix
+from ..prefix_cache import common_prefix
 
 
 class SeqStateStore:

@@ -24,7 +24,7 @@ How one :meth:`HFPolicy.generate` call runs:
   ``log_softmax`` of, the masked distribution (renormalised over the allowed tokens); grammars
   are compiled once per text for this tokenizer;
 * a **prefix cache across calls** (on by default; ``prefix_cache=off``, ``prefix_cache_mb=N``;
-  :mod:`._prefix_cache`): a radix tree over token ids holding KV tensors. Each prompt's longest
+  :mod:`omrl_search.prefix_cache`): a radix tree over token ids holding KV tensors. Each prompt's longest
   cached prefix is copied into the batch and only the rest is prefilled; each prompt, and each
   row's prompt plus its generated tokens when it ends, is stored (only what the tree lacks).
   Rows are ordered by the tokens left to prefill; ``Generation.cached_tokens`` counts the
@@ -45,8 +45,8 @@ from ..policy import (Policy, PolicyError, from_path_spec, register_policy, requ
                       require)
 from ..types import GenRequest
 from ._decode import ChunkedDecoder, Row, prefix_groups
-from ._kv import kv_of_row, load_cached, make_cache
-from ._prefix_cache import RadixCache, cache_limit
+from ..kv_rows import kv_of_row, load_cached, make_cache
+from ..prefix_cache import RadixCache, cache_limit
 from .hf_tokenizer import HFChatTokenizer
 
 #: the CPU dtype used when ``dtype="auto"`` (on CPUs with native bfloat16, see

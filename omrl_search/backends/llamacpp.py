@@ -58,7 +58,8 @@ from typing import Any, Sequence
 from ..policy import (Policy, PolicyError, from_path_spec, register_policy, request_prompt_ids,
                       require)
 from ..types import GenRequest
-from ._decode import ChunkedDecoder, Row, common_prefix, prefix_groups
+from ..prefix_cache import common_prefix
+from ._decode import ChunkedDecoder, Row, prefix_groups
 from ._llamacpp_cache import SeqStateStore
 from .hf_tokenizer import CHATML_TEMPLATE, compile_chat_template
 

@@ -1,7 +1,7 @@
 """KV-cache plumbing shared by the in-process torch models that reuse prefixes across calls: the
 ``hf`` policy backend and the learned reward models (:mod:`reward_models.prm`).
 
-Both keep a :class:`~._prefix_cache.RadixCache` of per-prefix keys/values. A batch is built as
+Both keep a :class:`~omrl_search.prefix_cache.RadixCache` of per-prefix keys/values. A batch is built as
 ``[cached columns | new columns]``: each row's cached prefix right-aligned in the first block
 (:func:`load_cached`), its new tokens in the second; the 2D attention mask zeroes the padding of
 both, and explicit position ids keep every token at its absolute position. :func:`kv_of_row`

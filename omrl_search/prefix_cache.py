@@ -1,4 +1,5 @@
-"""A prefix cache across calls for the in-process ``hf`` backend: a radix tree over token ids
+"""The prefix cache across calls, shared by the in-process ``hf`` backend and the learned reward
+models (:mod:`reward_models.prefix_scoring`): a radix tree over token ids
 whose nodes hold the KV cache of their run of tokens (as SGLang's RadixAttention and vLLM's
 automatic prefix caching do).
 
@@ -19,7 +20,24 @@ from __future__ import annotations
 import heapq
 from typing import Any, Callable, Sequence
 
-from ._decode import common_prefix
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int], cap: int) -> int:
+    """Length of the longest common prefix of ``a`` and ``b`` (both lists or both tuples), at
+    most ``cap``: slices compared in C, bisected (both backends' prefix caches use it)."""
+    n = min(len(a), len(b), cap)
+    if n <= 0:
+        return 0
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def cache_limit(on: Any, mb: Any) -> float | None:
