@@ -249,19 +249,17 @@ class Engine:
         flat = [(i, op.ctx, n, op.aggregation) for i, op in ops for n in op.nodes]
         trajs = [ctx.tree.trajectory(n) for _, ctx, n, _ in flat]
         try:
-            if all(agg is None for *_, agg in flat):
-                values = rm.value(trajs)
-            else:
-                values = [s if isinstance(s, Exception) else aggregate(s, agg or rm.aggregation)
-                          for s, (*_, agg) in zip(rm.score(trajs), flat)]
+            got = rm.scored(trajs)
+            if len(got.steps) != len(flat) or len(got.usage) != len(flat):
+                raise ValueError(f"reward model answered {len(got.steps)} prefixes for {len(flat)}")
+            values = [s if isinstance(s, Exception) else aggregate(s, agg or rm.aggregation)
+                      for s, (*_, agg) in zip(got.steps, flat)]
+            costs = [u.prefill_tokens for u in got.usage]
         except Exception as exc:
-            values = [exc] * len(flat)
-        costs = getattr(rm, "last_tokens", None)  # per prefix, from reward models that count them
-        if not isinstance(costs, list) or len(costs) != len(flat):
-            costs = [0] * len(flat)
+            values, costs = [exc] * len(flat), [0] * len(flat)
         out: dict[int, list[float]] = {i: [] for i, _ in ops}
         for (i, ctx, node, _), v, cost in zip(flat, values, costs):
-            ctx.budget.charge_rm(int(cost))
+            ctx.budget.charge_rm(cost)
             ctx.verifier_used |= rm.uses_verifier
             if isinstance(v, Exception):
                 ctx.faults.append(f"rm: {type(v).__name__}: {v}")

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Callable
 
 from .plugins import Registry
 from .tree import Trajectory
+from .types import Usage
 
 AGGREGATIONS = ("min", "last", "prod", "mean")
 
@@ -32,6 +34,15 @@ def aggregate(scores: list[float], how: str) -> float:
     raise ValueError(f"unknown aggregation {how!r} (known: {', '.join(AGGREGATIONS)})")
 
 
+@dataclass(slots=True)
+class Scored:
+    """A reward model's answer for a batch of prefixes: per-step scores (or the exception that
+    prefix raised) and the tokens it ran for each."""
+
+    steps: "list[list[float] | Exception]"
+    usage: list[Usage]
+
+
 class RewardModel(ABC):
     """Scores trajectory prefixes step by step."""
 
@@ -39,9 +50,6 @@ class RewardModel(ABC):
     aggregation: str = "last"
     #: True when scores read the env's success check (results then say ``verifier_in_loop``)
     uses_verifier: bool = False
-    #: after :meth:`score`, optionally the tokens run through the model for each prefix (the
-    #: engine charges them to the search's ``rm_tokens``); None: not counted
-    last_tokens: list[int] | None = None
 
     @abstractmethod
     def score(self, prefixes: list[Trajectory]) -> list[list[float]]:
@@ -50,6 +58,13 @@ class RewardModel(ABC):
         A prefix that cannot be scored (a judge answer without a score) may get an exception
         in place of its list: the engine records it as that prefix's fault and scores it 0,
         leaving the rest of the batch alone."""
+
+    def scored(self, prefixes: list[Trajectory]) -> "Scored":
+        """:meth:`score` with the tokens the model ran for each prefix, as :class:`Usage`
+        records (what the engine charges to a search's ``rm_tokens``: their prefill tokens).
+        Reward models that run no network (rules, env outcome) keep this default: no tokens;
+        a learned one overrides it and :meth:`score` returns its ``steps``."""
+        return Scored(self.score(prefixes), [Usage()] * len(prefixes))
 
     def value(self, prefixes: list[Trajectory]) -> list[float]:
         return [s if isinstance(s, Exception) else aggregate(s, self.aggregation)

@@ -161,6 +161,22 @@ class GenRequest:
     grammar: Grammar | None = None
 
 
+@dataclass(slots=True, frozen=True)
+class Usage:
+    """Tokens a model ran for one answer: a policy's generation (:attr:`Generation.usage`) or a
+    reward model's scoring of one prefix (:meth:`omrl_search.reward.RewardModel.scored`).
+    ``cached_tokens`` of ``prompt_tokens`` came from a prefix cache and were not run again."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens actually run through the model."""
+        return self.prompt_tokens - self.cached_tokens
+
+
 @dataclass(slots=True)
 class Generation:
     """One sampled completion with its exact token ids, their logprobs and its usage.
@@ -184,6 +200,11 @@ class Generation:
     #: of ``prompt_tokens``, how many came from a prefix cache and were not prefilled again
     #: (0 for backends without one); budgets can count ``prefill_tokens`` (the rest) apart
     cached_tokens: int = 0
+
+    @property
+    def usage(self) -> Usage:
+        """This generation's tokens as the typed record reward models report too."""
+        return Usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
     @property
     def constrained(self) -> bool:

@@ -20,8 +20,8 @@ Scoring goes through the policy backend's :meth:`~omrl_search.policy.Policy.scor
 that follow the same prefix (siblings, the children of one expansion) are one request, whose
 prompt the backend prefills once (``hf``: through its prefix cache, which also keeps the prompts
 of earlier calls); a step scored before (the shared ancestors of every prefix of a search) is
-not scored again (memoised by prefix and completion). ``last_tokens`` (what the engine charges
-as ``rm_tokens``) counts, per prefix, the prompt and completion tokens both models ran for the
+not scored again (memoised by prefix and completion). :meth:`scored`'s usage records (what the
+engine charges as ``rm_tokens``) count, per prefix, the prompt and completion tokens both models ran for the
 steps it was the first to need, less the prompt tokens their prefix caches served; a memoised
 step costs nothing. The prompt of a step is the engine's own
 (:func:`omrl_search.exports.prompt_messages`, then the completions and observation turns of the
@@ -35,10 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from omrl_search.agent import make_format
-from omrl_search.reward import RewardModel, register_reward_model
+from omrl_search.reward import RewardModel, Scored, register_reward_model
 from omrl_search.specs import SpecError, coerce
 from omrl_search.tree import Trajectory
-from omrl_search.types import GenRequest, SamplingParams
+from omrl_search.types import GenRequest, SamplingParams, Usage
 
 from .inputs import episode_from_trajectory, first_messages
 
@@ -67,11 +67,16 @@ class ImplicitPRM(RewardModel):
                                  "completions (Policy.score); use hf:FOLDER or smollm2")
         self.policy, self.ref, self.beta, self.squash = policy, ref, float(beta), squash
         self._memo: dict[tuple, float] = {}  # (prefix key, completion) -> step reward
-        self.scored = 0  # steps scored (each by both models); memo hits are not counted
+        self.steps_scored = 0  # steps scored (each by both models); memo hits are not counted
 
     def step_rewards(self, prefixes: list[Trajectory]) -> list[list[float]]:
-        """Per prefix, the raw step rewards ``r_t``; every step not scored before is scored in
-        one call per model, steps after the same prefix in one request."""
+        """Per prefix, the raw step rewards ``r_t``."""
+        return self.rewards_and_usage(prefixes)[0]
+
+    def rewards_and_usage(self, prefixes: list[Trajectory]) -> tuple[list[list[float]], list[Usage]]:
+        """Per prefix, the raw step rewards ``r_t`` and the tokens both models ran for them
+        (as ``prompt_tokens``; memoised steps run none). Every step not scored before is scored
+        in one call per model, steps after the same prefix in one request."""
         plans, requests, groups = [], {}, {}
         for traj in prefixes:
             ep = episode_from_trajectory(traj)
@@ -106,12 +111,10 @@ class ImplicitPRM(RewardModel):
             for k, cs, lp, lr in zip(order, comps, mine, theirs):
                 for c, a, b in zip(cs, lp, lr):
                     self._memo[(k, c)] = self.beta * (a - b)
-                self.scored += len(cs)
+                self.steps_scored += len(cs)
         # each request's tokens go to the first prefix of the call that needed it
-        self.last_tokens = []
-        for keys in plans:
-            self.last_tokens.append(sum(cost.pop(prefix, 0) for prefix, _ in keys))
-        return [[self._memo[key] for key in keys] for keys in plans]
+        usage = [Usage(prompt_tokens=sum(cost.pop(prefix, 0) for prefix, _ in keys)) for keys in plans]
+        return [[self._memo[key] for key in keys] for keys in plans], usage
 
     @staticmethod
     def _tokens_run(model: Any, reqs: list[GenRequest], comps: list[list[str]]) -> list[int]:
@@ -133,16 +136,21 @@ class ImplicitPRM(RewardModel):
             for k, n in zip(order, served):
                 cost[k] = max(cost[k] - int(n), 0)
 
-    def score(self, prefixes: list[Trajectory]) -> list[list[float]]:
-        """Per step, the (squashed) running sum of the step rewards up to it."""
+    def scored(self, prefixes: list[Trajectory]) -> Scored:
+        """Per step, the (squashed) running sum of the step rewards up to it, with the tokens
+        run for each prefix."""
+        steps, usage = self.rewards_and_usage(prefixes)
         out = []
-        for rewards in self.step_rewards(prefixes):
+        for rewards in steps:
             total, values = 0.0, []
             for r in rewards:
                 total += r
                 values.append(sigmoid(total) if self.squash == "sigmoid" else total)
             out.append(values)
-        return out
+        return Scored(out, usage)
+
+    def score(self, prefixes: list[Trajectory]) -> list[list[float]]:
+        return self.scored(prefixes).steps
 
     def clear_cache(self) -> None:
         """Forget memoised step rewards (after the policy's weights change)."""

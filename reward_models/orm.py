@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from omrl_search.reward import register_reward_model
+from omrl_search.types import Usage
 
 from .inputs import Episode
 from .prm import ProcessRewardModel, load_spec
@@ -23,9 +24,9 @@ class OutcomeRewardModel(ProcessRewardModel):
         ids, pos = self.encoder.encode(ep)
         return ids, pos[-1:]
 
-    def score_episodes(self, episodes: Sequence[Episode]) -> list[list[float]]:
-        scores = super().score_episodes(episodes)
-        return [s * len(ep) if s else [] for s, ep in zip(scores, episodes)]
+    def run_episodes(self, episodes: Sequence[Episode]) -> tuple[list[list[float]], list[Usage]]:
+        scores, usage = super().run_episodes(episodes)
+        return [s * len(ep) if s else [] for s, ep in zip(scores, episodes)], usage
 
 
 @register_reward_model("orm")

@@ -28,9 +28,10 @@ import tempfile
 from typing import Any, Iterator, Sequence
 
 from omrl_search.prefix_cache import cache_limit
-from omrl_search.reward import AGGREGATIONS, RewardModel, register_reward_model
+from omrl_search.reward import AGGREGATIONS, RewardModel, Scored, register_reward_model
 from omrl_search.specs import split_path_spec
 from omrl_search.tree import Trajectory
+from omrl_search.types import Usage
 
 from .inputs import INPUTS, READS, Episode, StepEncoder, episode_from_trajectory
 from .prefix_scoring import DEFAULT_CACHE_MB, PrefixScorer
@@ -253,12 +254,20 @@ class ProcessRewardModel(RewardModel):
         return ids, pos
 
     # --- scoring --------------------------------------------------------------------------------
+    def scored(self, prefixes: list[Trajectory]) -> Scored:
+        return Scored(*self.run_episodes([episode_from_trajectory(t) for t in prefixes]))
+
     def score(self, prefixes: list[Trajectory]) -> list[list[float]]:
-        return self.score_episodes([episode_from_trajectory(t) for t in prefixes])
+        return self.scored(prefixes).steps
 
     def score_episodes(self, episodes: Sequence[Episode]) -> list[list[float]]:
-        """Per-step scores in [0, 1] of each episode (``[]`` for an episode with no steps);
-        through the prefix cache when it is on (:mod:`reward_models.prefix_scoring`)."""
+        """Per-step scores in [0, 1] of each episode (``[]`` for an episode with no steps)."""
+        return self.run_episodes(episodes)[0]
+
+    def run_episodes(self, episodes: Sequence[Episode]) -> tuple[list[list[float]], list[Usage]]:
+        """Per-step scores of each episode and the tokens run for it (its encoded length as
+        ``prompt_tokens``, what the prefix cache served as ``cached_tokens``); through the
+        prefix cache when it is on (:mod:`reward_models.prefix_scoring`)."""
         import math
 
         import torch
@@ -266,7 +275,7 @@ class ProcessRewardModel(RewardModel):
         out: list[list[float]] = [[] for _ in episodes]
         todo = [(i, self.encode(ep)) for i, ep in enumerate(episodes) if len(ep)]
         todo.sort(key=lambda t: len(t[1][0]))
-        self.last_tokens = [0] * len(episodes)  # tokens forwarded per episode (rm_tokens)
+        usage = [Usage()] * len(episodes)
         was_training = self.model.training
         self.model.eval()
         try:
@@ -274,19 +283,20 @@ class ProcessRewardModel(RewardModel):
                 if self.prefix is not None:
                     got, cost = self.prefix.logits(self.model, [e for _, e in todo], self.batch_size,
                                                    self.tokenizer.pad_token_id)
-                    for (i, _), row, c in zip(todo, got, cost):
+                    for (i, (ids, _)), row, c in zip(todo, got, cost):
                         out[i] = [1.0 / (1.0 + math.exp(-v)) for v in row]
-                        self.last_tokens[i] = c
-                    return out
+                        n = max(len(ids), c)  # c: the tokens forwarded for it
+                        usage[i] = Usage(prompt_tokens=n, cached_tokens=n - c)
+                    return out, usage
                 for start in range(0, len(todo), self.batch_size):
                     chunk = todo[start:start + self.batch_size]
                     probs = torch.sigmoid(self.logits(self.collate([e for _, e in chunk])).float())
                     for row, (i, (ids, pos)) in zip(probs.tolist(), chunk):
                         out[i] = row[:len(pos)]
-                        self.last_tokens[i] = len(ids)
+                        usage[i] = Usage(prompt_tokens=len(ids))
         finally:
             self.model.train(was_training)
-        return out
+        return out, usage
 
     def stats(self) -> dict[str, Any]:
         """The prefix cache's counters (steps read from the memo, tokens forwarded), when on."""

@@ -93,15 +93,15 @@ def test_steps_scored_once_and_siblings_share_a_request(policy_model, ref_model,
     rm.policy.score = lambda reqs, comps: calls.append([len(c) for c in comps]) or real(reqs, comps)
     try:
         short = type(trajectory)(trajectory.task, trajectory.nodes[:2], trajectory.agent)
-        rm.score([short, trajectory])  # the first step is shared: one request, scored once
+        got = rm.scored([short, trajectory])  # the first step is shared: one request, scored once
         assert calls == [[1] * len(trajectory.steps)]
-        assert rm.last_tokens[0] > 0 and rm.last_tokens[1] > 0
-        rm.score([trajectory])
+        assert got.usage[0].prefill_tokens > 0 and got.usage[1].prefill_tokens > 0
+        again = rm.scored([trajectory])
         assert len(calls) == 1  # everything memoised: no model call
-        assert rm.last_tokens == [0]  # ... and no token run
+        assert [u.prefill_tokens for u in again.usage] == [0]  # ... and no token run
     finally:
         del rm.policy.score
-    assert rm.scored == len(trajectory.steps)
+    assert rm.steps_scored == len(trajectory.steps)
 
 
 def test_tokens_run_are_counted_for_rm_tokens(policy_model, ref_model, trajectory):
@@ -120,8 +120,7 @@ def test_tokens_run_are_counted_for_rm_tokens(policy_model, ref_model, trajector
         want += len(tok(step.completion, add_special_tokens=False).input_ids)
         messages = messages + [{"role": "assistant", "content": step.completion},
                                fmt.observation_message(step.observation)]
-    rm.score([trajectory])
-    assert rm.last_tokens == [2 * want]
+    assert [u.prefill_tokens for u in rm.scored([trajectory]).usage] == [2 * want]
 
 
 def test_the_same_model_as_its_own_reference_gives_zero(policy_model, trajectory):

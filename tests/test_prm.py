@@ -107,19 +107,19 @@ def test_bad_prm_specs(spec, msg):
 
 def test_prm_guides_beam_with_one_rm_call_per_round(prm):
     calls = []
-    orig = prm.score
+    orig = prm.scored  # what the engine calls: scores with the tokens run for them
 
     def counting(prefixes):
         calls.append({t.task.task_id for t in prefixes})
         return orig(prefixes)
 
-    prm.score = counting
+    prm.scored = counting
     try:
         tasks = om.load_tasks("game24", "test", limit=3)
         results = om.search_many(tasks, strategy="beam:width=2,k=2,value=rm",
                                  policy="scripted:oracle:p=0.5", reward_model=prm)
     finally:
-        del prm.score
+        del prm.scored
     assert len(calls[0]) == 3  # the first round scored all three trees' candidates together
     for r in results:
         assert not r.faults and r.spent["rm_calls"] > 0

@@ -168,3 +168,36 @@ def test_rewards_that_read_the_env_success_flag_the_verifier():
     assert all(r.verifier_in_loop for r in om.search_many(task, reward_model="rules:outcome=1", **kw))
     assert all(r.verifier_in_loop for r in om.search_many(task, reward_model="rules:env=1", **kw))
     assert not any(r.verifier_in_loop for r in om.search_many(task, reward_model="rules:format=1", **kw))
+
+
+# --- the reward model's cost: a typed usage record, charged as rm_tokens -------------------------
+def test_reward_models_report_usage_through_scored_and_the_engine_charges_it():
+    from omrl_search.reward import RewardModel, Scored
+    from omrl_search.types import Usage
+
+    class Counted(RewardModel):
+        """Scores 0.5 per step; says it ran 10 tokens a prefix, 4 of them from a cache."""
+
+        def score(self, prefixes):
+            return self.scored(prefixes).steps
+
+        def scored(self, prefixes):
+            return Scored([[0.5] * len(t.steps) for t in prefixes],
+                          [Usage(prompt_tokens=10, cached_tokens=4)] * len(prefixes))
+
+    rules = om.make_reward_model("rules:format=1")
+    task = om.load_tasks("game24", "test", limit=1)[0]
+    plain = om.search(task, strategy="beam:width=2,k=2,value=rm", policy="scripted:oracle:p=0.5",
+                      reward_model=rules, seed=3)
+    assert plain.spent["rm_calls"] > 0 and plain.spent["rm_tokens"] == 0  # rules run no network
+    counted = om.search(task, strategy="beam:width=2,k=2,value=rm", policy="scripted:oracle:p=0.5",
+                        reward_model=Counted(), seed=3)
+    assert counted.spent["rm_tokens"] == 6 * counted.spent["rm_calls"] > 0  # prefill: 10 - 4
+
+
+def test_a_generation_reports_the_same_usage_record():
+    from omrl_search.types import Generation, Usage
+
+    g = Generation("Act: x", [1, 2], [-0.1, -0.2], prompt_tokens=7, completion_tokens=2, cached_tokens=5)
+    assert g.usage == Usage(prompt_tokens=7, completion_tokens=2, cached_tokens=5)
+    assert g.usage.prefill_tokens == 2
