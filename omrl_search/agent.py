@@ -40,24 +40,6 @@ class Parsed:
     error: str = ""  # non-empty when the completion is malformed
 
 
-#: the exact form :meth:`ReActFormat.render` writes: ``Think: <one line>`` then ``Act: <one
-#: line>``, the action without a colon, backtick or newline, not starting with whitespace or ``*``
-_RENDERED = re.compile(r"Think: ([^\n]*)\nAct: ([^\s*:`\n][^:`\n]*)")
-
-
-def _parse_rendered(text: str) -> tuple[str, str] | None:
-    """The (thought, action) :meth:`ReActFormat.parse` gives a stripped completion in exactly
-    the form :meth:`ReActFormat.render` writes, by one regex match instead of the three
-    general ones; None for any other text, which those parse. It gives what they give
-    (tests/test_engine_speed_invariants.py compares the two on generated texts)."""
-    m = _RENDERED.fullmatch(text)
-    if m is None:
-        return None
-    thought, action = m.groups()
-    thought = thought.strip()
-    return None if thought.startswith("*") else (thought, action)
-
-
 class ReActFormat:
     """``Think: ... / Act: ...`` prompting and parsing."""
 
@@ -78,11 +60,7 @@ class ReActFormat:
     def prompts(self, env: Any, task: Task, tree: "SearchTree",
                 encoder: "TurnEncoder | None") -> Prompts:
         """What the policy is shown in one search (messages and, with ``encoder``, token ids)."""
-        prompts = Prompts(self, encoder, env, task, tree)
-        if (type(self).parse is _REACT_PARSE and "parse" not in vars(self)
-                and type(self).render is _REACT_RENDER):  # its own rendered steps skip parse()
-            prompts.rendered = _parse_rendered
-        return prompts
+        return Prompts(self, encoder, env, task, tree)
 
     def first_messages(self, env: object, task: Task, observation: str,
                        note: str = "") -> list[dict[str, str]]:
@@ -104,9 +82,6 @@ class ReActFormat:
 
     def parse(self, completion: str, action_help: str = "") -> Parsed:
         text = completion.strip()
-        fast = _parse_rendered(text)
-        if fast is not None:
-            return Parsed(*fast)
         act = _ACT.search(text)
         if act is None:
             return Parsed(text, "", self._error("no 'Act:' line", action_help))
@@ -167,9 +142,6 @@ class ActFormat(ReActFormat):
         return f"Act: {action}"
 
 
-# ReAct's own parse and render as defined here: a format whose parse (on the class or the
-# instance, patched or overridden) or render differs gets no rendered-form shortcut
-_REACT_PARSE, _REACT_RENDER = ReActFormat.parse, ReActFormat.render
 AGENT_FORMATS = {"react": ReActFormat, "act": ActFormat}
 
 

@@ -26,7 +26,7 @@ format's frame) and counts what each generation was generated under. ``constrain
 from __future__ import annotations
 
 import importlib.util
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from .constrain import Grammar, GrammarError, check, stamp
 from .types import Generation, Step, Task
@@ -51,12 +51,9 @@ class Prompts:
     ``stop`` is the format's stop strings (used when the sampling parameters name none).
     ``chat``: build each step's chat messages; the engine turns it off for a policy that reads
     only token ids (``reads_messages = False``), whose step requests then carry no messages
-    (``[]``), so neither the messages nor their per-node cache are made. ``rendered``: a parser
-    of completions in ReAct's exact ``Think:``/``Act:`` form, returning (thought, action) or None
-    for any other text, which the format's ``parse`` then reads (set by ReAct itself, whose
-    ``parse`` gives the same on that form; None: ``parse`` alone)."""
+    (``[]``), so neither the messages nor their per-node cache are made."""
 
-    __slots__ = ("format", "encoder", "env", "task", "tree", "stop", "_messages", "chat", "rendered")
+    __slots__ = ("format", "encoder", "env", "task", "tree", "stop", "_messages", "chat")
 
     def __init__(self, fmt: "ReActFormat", encoder: "TurnEncoder | None", env: Any, task: Task,
                  tree: "SearchTree"):
@@ -64,7 +61,6 @@ class Prompts:
         self.stop: tuple[str, ...] = fmt.stop
         self._messages: dict[int, Messages] = {}
         self.chat = True
-        self.rendered: Callable[[str], tuple[str, str] | None] | None = None
 
     def messages(self, node: "Node") -> Messages:
         """The chat up to ``node``'s observation (without notes), cached per node."""
@@ -133,15 +129,11 @@ class Prompts:
     def parse(self, gen: Generation, context_ids: list[int] | None) -> tuple[Step, str]:
         """The step a completion makes and the error text when it is malformed ("" if not):
         a malformed step never reaches the env; the error is its observation."""
-        text = gen.text
-        quick = self.rendered(text.strip()) if self.rendered is not None else None
-        if quick is not None:
-            (thought, action), error = quick, ""
-        else:
-            parsed = self.format.parse(text, getattr(self.env, "action_help", ""))
-            thought, action, error = parsed.thought, parsed.action, parsed.error
-        return Step(text, thought, action, "", 0.0, False, True, False, context_ids,
-                    gen.token_ids, gen.logprobs), error  # positional: once per child
+        parsed = self.format.parse(gen.text, getattr(self.env, "action_help", ""))
+        step = Step(completion=gen.text, thought=parsed.thought, action=parsed.action,
+                    observation="", context_ids=context_ids, completion_ids=gen.token_ids,
+                    logprobs=gen.logprobs)
+        return step, parsed.error
 
     @property
     def source(self) -> str:

@@ -151,45 +151,14 @@ def test_a_value_source_values_each_key_once_in_first_seen_order():
 
 
 # --- the engine's per-node fast paths (issue 18) --------------------------------------------------
-def test_rendered_completions_parse_as_the_regexes_parse_them():
-    """``ReActFormat.parse`` skips its regexes for text in the exact rendered form; on texts
-    built from the pieces that trip them up, both routes give the same Parsed."""
-    import omrl_search.agent as agent
-
-    fmt, rng, fast = agent.ReActFormat(), random.Random(0), 0
-    pieces = ["Think", "Act", ":", " ", "\n", "*", "`", "x", "3 + 4", "Observation", "think:",
-              "\t", "Action", "\r", "**", "\u00a0", "Act: ", "```"]
-
-    def words(n):
-        return "".join(rng.choice(pieces) for _ in range(rng.randrange(n)))
-
-    for _ in range(30_000):
-        text = words(8)
-        if rng.random() < 0.7:
-            text = "Think: " + words(4) + "\nAct: " + text if rng.random() < 0.7 else "Think: " + text
-        plain = agent._parse_rendered
-        agent._parse_rendered = lambda _text: None
-        try:
-            want = fmt.parse(text, "help")
-        finally:
-            agent._parse_rendered = plain
-        fast += plain(text.strip()) is not None
-        assert fmt.parse(text, "help") == want, repr(text)
-    assert fast > 1000  # the fast route was really taken
-    assert agent._parse_rendered("Think: try.\nAct: 3 + 4") == ("try.", "3 + 4")
-
-
-def test_prompts_parse_takes_the_rendered_route_only_for_formats_that_parse_alike(monkeypatch):
-    """``Prompts.parse`` reads a completion in ReAct's rendered form without the format's
-    ``parse`` and gives the step ``parse`` gives; any other text goes to ``parse``. A format
-    whose ``parse`` or ``render`` is not ReAct's (``act``, a subclass, a parse replaced on the
-    instance or patched on the class) is always asked itself."""
+def test_every_completion_is_parsed_by_its_format(monkeypatch):
+    """``Prompts.parse`` has one path: the format's own ``parse``, asked for every completion
+    (ReAct's rendered form included), and the step carries the generation's ids and logprobs."""
     import omrl_search.agent as agent
 
     env = make_env("game24")
     task, tree = om.load_tasks("game24", "test", limit=1)[0], SimpleNamespace()
-    texts = ["Think: try.\nAct: 3 + 4", " Think:  x y \nAct: 1 * 2 ", "Think: **x\nAct: 3 + 4",
-             "Act: 3 + 4", "Think: a\nAct:  3 + 4", "Think: a\nAct: `3 + 4`", "nothing"]
+    texts = ["Think: try.\nAct: 3 + 4", " Think:  x y \nAct: 1 * 2 ", "Act: 3 + 4", "nothing"]
 
     def step_of(prompts, text):
         step, error = prompts.parse(om.Generation(text, [1, 2], [-0.5, -0.1], 3, 2), [7])
@@ -197,28 +166,15 @@ def test_prompts_parse_takes_the_rendered_route_only_for_formats_that_parse_alik
         return step.completion, step.thought, step.action, error
 
     fmt = agent.ReActFormat()
-    prompts = fmt.prompts(env, task, tree, None)
     want = {t: (t, *(lambda p: (p.thought, p.action, p.error))(fmt.parse(t, env.action_help)))
             for t in texts}
     asked = []
-    fmt.parse = lambda text, help="": asked.append(text) or agent.ReActFormat.parse(agent.ReActFormat(), text, help)
-    for text in texts:
-        assert step_of(prompts, text) == want[text], text
-    quick = [t for t in texts if t not in asked]
-    assert quick == ["Think: try.\nAct: 3 + 4", " Think:  x y \nAct: 1 * 2 "]  # parse never asked
-
-    class Shouting(agent.ReActFormat):
-        def parse(self, completion, action_help=""):
-            return agent.Parsed("", completion.upper())
-
-    replaced = agent.ReActFormat()
-    replaced.parse = Shouting.parse.__get__(replaced)
-    for other in (agent.ActFormat(), Shouting(), replaced):
-        assert other.prompts(env, task, tree, None).rendered is None
-    monkeypatch.setattr(agent.ReActFormat, "parse", Shouting.parse)
-    patched = agent.ReActFormat()
-    prompts = patched.prompts(env, task, tree, None)
-    assert prompts.rendered is None and step_of(prompts, texts[0])[2] == texts[0].upper()
+    real = agent.ReActFormat.parse
+    monkeypatch.setattr(agent.ReActFormat, "parse",
+                        lambda self, text, help="": asked.append(text) or real(self, text, help))
+    prompts = agent.ReActFormat().prompts(env, task, tree, None)
+    assert [step_of(prompts, t) for t in texts] == [want[t] for t in texts]
+    assert asked == texts
 
 
 def test_request_seeds_are_the_plain_mix():
