@@ -107,10 +107,16 @@ class Seeds:
 
 
 class SearchContext:
-    """One search: its task, tree, budget, RNG, per-search ``scratch`` and the primitives.
+    """One search: its task, tree, budget, RNG, per-search state and the primitives.
 
-    ``scratch`` is a free dict for the strategy's per-search state (one strategy instance
-    serves many searches, so such state never lives on the strategy). ``envs`` steps the
+    One strategy instance serves many searches, so per-search state never lives on the
+    strategy. A strategy keeps its own in ``state``, a typed object it makes at the start of
+    ``run`` (MCTS: :class:`strategies.mcts.MCTSState`). What strategies and value sources
+    share has typed fields here: ``values`` (node id -> the last value given it), ``rollout_leaves``
+    (node id -> the id of the finished leaf a rollout from it reached), ``value_caches`` (per value
+    source, its cache), ``text_keys`` (ToT's repeat rule) and ``answer`` (the answer step a
+    strategy settled on). ``scratch`` is a free dict for users' own strategies; ours do not use
+    it. ``envs`` steps the
     search's env (:class:`~omrl_search.env_driver.EnvDriver`), ``prompts`` builds what the
     policy is shown (:class:`~omrl_search.prompts.Prompts`); strategies use the primitives.
     """
@@ -126,10 +132,21 @@ class SearchContext:
         self.faults: list[str] = envs.faults
         self.calls = 0  # LM requests made so far (part of each request's seed)
         self.has_reward_model = engine.reward_model is not None
+        self.state: Any = None  # the strategy's own typed per-search state
+        self.values: dict[int, float] = {}
+        self.rollout_leaves: dict[int, int] = {}
+        self.value_caches: dict[tuple, dict] = {}
+        self.text_keys: tuple[dict, dict] | None = None
+        self.answer: Node | None = None
         self.scratch: dict[str, Any] = {}
         self.verifier_used = False  # set when the env's success check was consulted
         self.max_nodes: int | None = getattr(engine, "max_nodes", None)
         self.max_faults: int | None = getattr(engine, "max_faults", None)
+
+    @property
+    def policy_name(self) -> str:
+        """The policy's name, for a strategy's messages (strategies never reach the policy)."""
+        return self.engine.policy.name
 
     @cached_property
     def rng(self) -> random.Random:

@@ -10,11 +10,14 @@ from __future__ import annotations
 import typing
 from collections import Counter
 from dataclasses import fields, is_dataclass
-from typing import Any, Callable, ClassVar, Iterable
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable
 
 from .plugins import Registry, name_if_unnamed
 from .specs import SpecError, convert, parse_spec
 from .tree import Node
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .ops import SearchContext
 
 
 class Strategy:
@@ -22,10 +25,10 @@ class Strategy:
     #: True when the final choice consults the env's success check (not a fair test-time method)
     verifier_in_loop: bool = False
 
-    async def run(self, ctx: Any) -> None:  # pragma: no cover - interface
+    async def run(self, ctx: SearchContext) -> None:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def select(self, ctx: Any) -> Node | None:
+    def select(self, ctx: SearchContext) -> Node | None:
         """The node whose path is the search's answer (default: the last node added)."""
         return ctx.tree.nodes[-1]
 

@@ -20,12 +20,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omrl_search.reward import AGGREGATIONS
 from omrl_search.strategy import Strategy, register_strategy
 from .values import (best_answer, check_dedup, check_value, dedup_nodes, engine_dedup, keep_best,
                      make_value, scored_actions)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from omrl_search.ops import SearchContext
 
 
 @register_strategy("beam")
@@ -51,10 +54,10 @@ class Beam(Strategy):
         check_value(self.value, ("auto", "rm", "heuristic", "lm", "logprob"))
         check_dedup(self.dedup)
 
-    async def run(self, ctx) -> None:
+    async def run(self, ctx: SearchContext) -> None:
         if self.propose == "policy" and not ctx.can_score:
             raise ValueError(f"beam:propose=policy needs a policy that scores completions "
-                             f"(Policy.score); {ctx.engine.policy.name!r} does not")
+                             f"(Policy.score); {ctx.policy_name!r} does not")
         value = make_value(self.value, ctx, self.agg)
         beam = [ctx.root]
         while beam:
@@ -84,5 +87,5 @@ class Beam(Strategy):
                 kids.append(next(sampled))
         return kids
 
-    def select(self, ctx):
+    def select(self, ctx: SearchContext):
         return best_answer(ctx)

@@ -13,9 +13,13 @@ batched call per depth. The answer is chosen by
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from omrl_search.budget import BudgetExhausted
 from omrl_search.strategy import Strategy, majority_vote, register_strategy
+
+if TYPE_CHECKING:  # pragma: no cover
+    from omrl_search.ops import SearchContext
 
 SELECTIONS = ("auto", "verifier", "rm", "vote")
 
@@ -39,7 +43,7 @@ class BestOfN(Strategy):
             return "rm" if ctx.has_reward_model else "vote"
         return self.select_by
 
-    async def run(self, ctx) -> None:
+    async def run(self, ctx: SearchContext) -> None:
         stopped = None
         try:
             (firsts,) = await ctx.expand([ctx.root], self.n, temperature=self.temperature)
@@ -53,7 +57,7 @@ class BestOfN(Strategy):
         if stopped is not None:
             raise stopped
 
-    def select(self, ctx):
+    def select(self, ctx: SearchContext):
         leaves = [n for n in ctx.tree.leaves() if n.parent is not None]
         if not leaves:
             return None

@@ -28,11 +28,15 @@ descended into), ``temperature``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from omrl_search.strategy import Strategy, register_strategy
 from omrl_search.tree import FAILED
 
 from .values import answered, check_dedup, dedup_nodes, engine_dedup, text_key
+
+if TYPE_CHECKING:  # pragma: no cover
+    from omrl_search.ops import SearchContext
 
 
 def diversity_note(ctx, node) -> str:
@@ -62,13 +66,13 @@ class DFSDT(Strategy):
         check_dedup(self.dedup)
         self.verifier_in_loop = self.stop == "success"
 
-    async def run(self, ctx) -> None:
+    async def run(self, ctx: SearchContext) -> None:
         stack = [ctx.root]
         while stack:
             node = stack[-1]
             if not ctx.expandable(node):
                 if self._done(ctx, node):
-                    ctx.scratch["answer"] = node
+                    ctx.answer = node
                     return
                 lost = self.stop == "success" and answered(node)  # a lost ending: give up here
                 del stack[-(self.back if lost else 1):]
@@ -88,8 +92,8 @@ class DFSDT(Strategy):
             return answered(node)
         return node.status != FAILED and ctx.verify(node)
 
-    def select(self, ctx):
-        if "answer" in ctx.scratch:
-            return ctx.scratch["answer"]
+    def select(self, ctx: SearchContext):
+        if ctx.answer is not None:
+            return ctx.answer
         finished = [n for n in ctx.tree.nodes if n.terminal and n.status != FAILED]
         return finished[-1] if finished else None

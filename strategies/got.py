@@ -22,12 +22,15 @@ Knobs: ``graph`` (``default`` picks the env's graph from :data:`GRAPHS`), ``valu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omrl_search.reward import AGGREGATIONS
 from omrl_search.strategy import Strategy, register_strategy
 from .values import (best_answer, check_dedup, check_value, dedup_nodes, engine_dedup, keep_best,
                      make_value, remember)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from omrl_search.ops import SearchContext
 
 GRAPHS = {
     "game24": "generate:3>score>keep_best:3>aggregate:3>score>keep_best:2",
@@ -84,7 +87,7 @@ class GraphOfThoughts(Strategy):
             raise ValueError(f"agg must be one of {', '.join(AGGREGATIONS)}, got {self.agg!r}")
         check_value(self.value, ("auto", "rm", "heuristic", "lm", "logprob"))
 
-    async def run(self, ctx) -> None:
+    async def run(self, ctx: SearchContext) -> None:
         graph = parse_graph(GRAPHS.get(ctx.task.env, GRAPHS["*"]) if self.graph == "default" else self.graph)
         value = make_value(self.value, ctx, self.agg)
         thoughts = [ctx.root]
@@ -104,12 +107,12 @@ class GraphOfThoughts(Strategy):
         return thoughts
 
     async def keep_best(self, ctx, thoughts, n, value):
-        values = ctx.scratch.get("values", {})
+        values = ctx.values
         return keep_best(ctx, thoughts, [values.get(t.id, 0.0) for t in thoughts], n, "not kept",
                          order="value")
 
     async def aggregate(self, ctx, thoughts, n, value):
-        values = ctx.scratch.get("values", {})
+        values = ctx.values
         best = sorted((t for t in thoughts if t.parent is not None),
                       key=lambda t: -values.get(t.id, 0.0))[:n]
         if len(best) < 2:
@@ -137,5 +140,5 @@ class GraphOfThoughts(Strategy):
             out += new
         return out
 
-    def select(self, ctx):
+    def select(self, ctx: SearchContext):
         return best_answer(ctx)

@@ -36,21 +36,47 @@ finished leaf leaves the selection once backed up). Rollouts, reflections on fai
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from omrl_search.strategy import Strategy, register_strategy
-from omrl_search.tree import FAILED, PRUNED
+from omrl_search.tree import FAILED, PRUNED, Node
 from omrl_search.types import DEFAULT_MAX_TOKENS
 
 from .values import (Mix, RMValue, RolloutValue, check_value, history, make_value, scored_actions,
                      softmax, step_logprob)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from omrl_search.ops import SearchContext
 
 REFLECT_PROMPT = (
     "You attempted this task and failed.\n\nTask: {task}\n\nYour steps:\n{history}\n\n"
     "Final observation:\n{state}\n\nIn two or three sentences, say what went wrong and give a "
     "short plan that avoids it."
 )
+
+
+@dataclass(slots=True)
+class MCTSState:
+    """One MCTS search's own state (``ctx.state``), beside the statistics every node carries
+    (``visits``, ``value_sum``, ``prior``: part of the saved tree)."""
+
+    #: each expanded node's live children (dead ends dropped), by node id
+    kids: dict[int, list[Node]] = field(default_factory=dict)
+    #: nodes whose widening found nothing new
+    closed: set[int] = field(default_factory=set)
+    #: dead ends: nothing left to try below them
+    dead: set[int] = field(default_factory=set)
+    #: simulations done
+    sims: int = 0
+    #: reflections on failed attempts (``reflect=true``), oldest first
+    reflections: list[str] = field(default_factory=list)
+    #: ``priors=policy``: each child's score under the policy, by node id
+    prior: dict[int, float] = field(default_factory=dict)
+    #: the value of each finished leaf, valued once, by node id
+    finished: dict[int, float] = field(default_factory=dict)
+    #: a solved end found (LATS's stop), the answer
+    solved: Node | None = None
 
 
 @register_strategy("mcts")
@@ -95,23 +121,22 @@ class MCTS(Strategy):
             return RolloutValue(self.temperature)
         return make_value(spec, ctx)
 
-    async def run(self, ctx) -> None:
+    async def run(self, ctx: SearchContext) -> None:
         value = self._value(ctx)
         one_child = isinstance(value, (RolloutValue, Mix))  # costly values: one child per leaf
-        s = ctx.scratch
         if self.priors == "policy" and not ctx.can_score:
             raise ValueError(f"mcts:priors=policy needs a policy that scores completions "
-                             f"(Policy.score); {ctx.engine.policy.name!r} does not")
-        s.update(kids={}, closed=set(), dead=set(), sims=0, reflections=[], prior={}, finished={})
-        finished = s["finished"]  # the value of each finished leaf, by id: valued once
-        while s["sims"] < self.simulations:
+                             f"(Policy.score); {ctx.policy_name!r} does not")
+        s = ctx.state = MCTSState()
+        finished = s.finished  # the value of each finished leaf, by id: valued once
+        while s.sims < self.simulations:
             batch, paths = self._select_batch(ctx)
             if not batch:
                 return
             grow = [leaf for leaf in batch if not leaf.terminal]
             try:
                 if grow:
-                    notes = [self._note(ctx)] * len(grow) if s["reflections"] else None
+                    notes = [self._note(ctx)] * len(grow) if s.reflections else None
                     kids = await self._grow(ctx, grow, notes)
                 else:  # only finished leaves: no LM call, but the budget still ends the search
                     ctx.check()
@@ -123,8 +148,8 @@ class MCTS(Strategy):
             targets = [leaf for leaf in batch if leaf.terminal]
             dead = []
             for leaf, new in zip(grow, kids):
-                if not new and leaf.id in s["kids"]:
-                    s["closed"].add(leaf.id)  # widening found nothing new
+                if not new and leaf.id in s.kids:
+                    s.closed.add(leaf.id)  # widening found nothing new
                 live = self._set_children(ctx, leaf)
                 if new:
                     targets += [max(new, key=lambda c: c.prior)] if one_child else new
@@ -152,18 +177,18 @@ class MCTS(Strategy):
         :meth:`_descend`). Simulations then go to what is still unknown instead of re-choosing
         a known failure, which PUCT does for as long as the policy's prior on it dominates."""
         for t in targets:
-            if t.terminal and t.id in ctx.scratch["finished"] and not ctx.verify(t):
+            if t.terminal and t.id in ctx.state.finished and not ctx.verify(t):
                 self._kill(ctx, t)
 
     @staticmethod
     def _solved(ctx, targets) -> bool:
         """LATS's stop: a node valued this round, or the end of its rollout, is a solved
         terminal (the env's success check: flags the result); remembered for :meth:`select`."""
-        rollout = ctx.scratch.get("rollout", {})
+        rollout = ctx.rollout_leaves
         for t in targets:
             end = ctx.tree.nodes[rollout.get(t.id, t.id)]
             if end.terminal and end.status != FAILED and ctx.verify(end):
-                ctx.scratch["solved"] = end
+                ctx.state.solved = end
                 return True
         return False
 
@@ -172,8 +197,8 @@ class MCTS(Strategy):
         leaf that lists few, scored by the policy in one call."""
         if self.priors != "policy":
             return await ctx.expand(grow, self.k, temperature=self.temperature, dedup=True, notes=notes)
-        s = ctx.scratch
-        scored = await scored_actions(ctx, [n for n in grow if n.id not in s["closed"]], self.max_actions)
+        s = ctx.state
+        scored = await scored_actions(ctx, [n for n in grow if n.id not in s.closed], self.max_actions)
         sample = [j for j, n in enumerate(grow) if n.id not in scored]
         kids = [[] for _ in grow]
         if sample:
@@ -186,8 +211,8 @@ class MCTS(Strategy):
                 by_text = dict(scored[leaf.id])
                 new = ctx.apply(leaf, list(by_text))
                 for c in new:
-                    s["prior"][c.id] = by_text.get(c.step.completion, -math.inf)
-                s["closed"].add(leaf.id)  # every action is a child: nothing left to widen into
+                    s.prior[c.id] = by_text.get(c.step.completion, -math.inf)
+                s.closed.add(leaf.id)  # every action is a child: nothing left to widen into
                 kids[j] = new
         return kids
 
@@ -198,8 +223,8 @@ class MCTS(Strategy):
         descent that reaches a finished leaf valued before is its whole simulation: the value
         is backed up along the path at once and the descent does not take a leaf's place."""
         batch, paths, chosen = [], [], set()
-        s = ctx.scratch
-        finished, tries = s["finished"], 0
+        s = ctx.state
+        finished, tries = s.finished, 0
         while tries < self.leaves:
             found = self._descend(ctx)
             if found is None:
@@ -209,8 +234,8 @@ class MCTS(Strategy):
             if v is not None:  # a finished leaf, valued before: its simulation is done now,
                 for n in path:  # the descent's visit made real with its value (no LM, no wait)
                     n.value_sum += v
-                s["sims"] += 1
-                if s["sims"] >= self.simulations:
+                s.sims += 1
+                if s.sims >= self.simulations:
                     break
                 continue
             tries += 1
@@ -223,7 +248,7 @@ class MCTS(Strategy):
     def _descend(self, ctx):
         """One PUCT descent from the root with a virtual loss on its path; None when every
         branch is a dead end. (The hot loop of a search: locals only, no calls per child.)"""
-        kids_of, dead, root = ctx.scratch["kids"], ctx.scratch["dead"], ctx.tree.nodes[0]
+        kids_of, dead, root = ctx.state.kids, ctx.state.dead, ctx.tree.nodes[0]
         c_puct, sqrt, widens = self.c_puct, math.sqrt, self._widens if self.widen else None
         uct, log = self.rule == "uct", math.log
         while root.id not in dead:
@@ -264,28 +289,29 @@ class MCTS(Strategy):
 
     def _kill(self, ctx, node) -> None:
         """A node with nothing left to try: drop it from its parent's children."""
-        ctx.scratch["dead"].add(node.id)
+        ctx.state.dead.add(node.id)
         if node.parent is not None:
-            siblings = ctx.scratch["kids"].get(node.parent)
+            siblings = ctx.state.kids.get(node.parent)
             if siblings is not None and node in siblings:
                 siblings.remove(node)
 
     def _widens(self, ctx, node) -> bool:
-        if not self.widen or node.id in ctx.scratch["closed"] or node.id not in ctx.scratch["kids"]:
+        s = ctx.state
+        if not self.widen or node.id in s.closed or node.id not in s.kids:
             return False
-        return len(ctx.scratch["kids"][node.id]) < self.k * max(node.visits, 1) ** self.widen
+        return len(s.kids[node.id]) < self.k * max(node.visits, 1) ** self.widen
 
     def _set_children(self, ctx, node) -> list:
         """Record the node's live children and set their priors."""
-        dead = ctx.scratch["dead"]
+        dead = ctx.state.dead
         kids = [c for c in (ctx.tree.nodes[i] for i in node.children)
                 if c.status != PRUNED and c.status != FAILED and c.id not in dead]
-        ctx.scratch["kids"][node.id] = kids
+        ctx.state.kids[node.id] = kids
         if self.priors == "uniform":
             for c in kids:
                 c.prior = 1.0 / len(kids)
             return kids
-        scored = ctx.scratch.get("prior", {})
+        scored = ctx.state.prior
         lps = [scored[c.id] if c.id in scored else step_logprob(c) for c in kids]
         for c, p in zip(kids, softmax(lps)):
             c.prior = p
@@ -296,7 +322,7 @@ class MCTS(Strategy):
         """Back ``(node, value)`` pairs up to the root, in order. A run of siblings shares one
         walk above their parent, each ancestor adding their values in the same order as one
         walk per node would (so the sums, and the tree, are the same to the last bit)."""
-        ctx.scratch["sims"] += len(pairs)
+        ctx.state.sims += len(pairs)
         nodes, i, end = ctx.tree.nodes, 0, len(pairs)
         while i < end:
             node, v = pairs[i]
@@ -320,10 +346,10 @@ class MCTS(Strategy):
 
     def _note(self, ctx) -> str:
         return "Reflections on earlier failed attempts:\n" + "\n".join(
-            f"- {r}" for r in ctx.scratch["reflections"][-3:])
+            f"- {r}" for r in ctx.state.reflections[-3:])
 
     async def _reflect(self, ctx, targets) -> None:
-        rollout = ctx.scratch.get("rollout", {})
+        rollout = ctx.rollout_leaves
         ends = [ctx.tree.nodes[rollout.get(t.id, t.id)] for t in targets]
         failed = [e for e in ends if e.terminal and e.status != FAILED and not ctx.verify(e)]
         if not failed:
@@ -338,15 +364,16 @@ class MCTS(Strategy):
             text = f"the steps {history(ctx, end).replace(chr(10), ' ')} ended with: " \
                    f"{end.observation.strip().splitlines()[-1]}"
         if text:
-            ctx.scratch["reflections"].append(text)
+            ctx.state.reflections.append(text)
 
     # --- the answer ----------------------------------------------------------------------------
-    def select(self, ctx):
-        if ctx.scratch.get("solved") is not None:
-            return ctx.scratch["solved"]
+    def select(self, ctx: SearchContext):
+        s = ctx.state if isinstance(ctx.state, MCTSState) else MCTSState()  # none: not started
+        if s.solved is not None:
+            return s.solved
         key = ((lambda c: (c.visits, c.value)) if self.final == "visits"
                else (lambda c: (c.value, c.visits)))
-        node, dead = ctx.root, ctx.scratch.get("dead", ())
+        node, dead = ctx.root, s.dead
         while True:
             kids = [c for c in (ctx.tree.nodes[i] for i in node.children)
                     if c.visits > 0 and c.status not in (PRUNED, FAILED) and c.id not in dead]
@@ -355,7 +382,7 @@ class MCTS(Strategy):
             node = max(kids, key=key)
         if node.terminal:
             return node
-        leaf = ctx.scratch.get("rollout", {}).get(node.id)
+        leaf = ctx.rollout_leaves.get(node.id)
         if leaf is not None:
             return ctx.tree.nodes[leaf]
         done = [n for n in ctx.tree.nodes if n.terminal and n.visits > 0 and n.status != FAILED]

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from omrl_search.strategy import Strategy, register_strategy
 from omrl_search.tree import PRUNED
@@ -40,6 +40,9 @@ from omrl_search.types import PROPOSAL_MAX_TOKENS
 from .values import (ANSWER_PROMPT, ORDERS, best_answer, check_dedup, check_value,
                      dedup_nodes, engine_dedup, history, keep_best, last_step_values, make_value,
                      parse_mapping, remember, zero_repeats)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from omrl_search.ops import SearchContext
 
 PROPOSE_PROMPT = (
     "Task: {task}\n\nSteps so far:\n{history}\n\nCurrent state:\n{state}\n\n"
@@ -159,7 +162,7 @@ class TreeOfThoughts(Strategy):
             return ProposePrompt(temperature=self.temperature, dedup=self.dedup), value
         return self.proposer, value
 
-    async def run(self, ctx) -> None:
+    async def run(self, ctx: SearchContext) -> None:
         propose, value = self._parts(ctx)
         if self.method == "bfs":
             await self._bfs(ctx, propose, value)
@@ -189,13 +192,13 @@ class TreeOfThoughts(Strategy):
             states = [s for s in kept if ctx.expandable(s)]
 
     async def _dfs(self, ctx, propose, value) -> None:
-        values = ctx.scratch.setdefault("values", {})
+        values = ctx.values
         stack = [ctx.root]
         while stack:
             s = stack.pop()
             if not ctx.expandable(s):
                 if s.terminal and values.get(s.id, 0.0) >= self.accept:
-                    ctx.scratch["answer"] = s
+                    ctx.answer = s
                     return
                 continue  # a dead end: backtrack
             kids, vals = await self._step(ctx, propose, value, [s])
@@ -210,5 +213,5 @@ class TreeOfThoughts(Strategy):
             # reversed indices (every kept value passed the threshold, so none is NaN)
             stack += [kids[i] for i in sorted(reversed(good), key=vals.__getitem__)]
 
-    def select(self, ctx):
-        return ctx.scratch.get("answer") or best_answer(ctx)
+    def select(self, ctx: SearchContext):
+        return ctx.answer or best_answer(ctx)

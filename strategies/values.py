@@ -3,7 +3,7 @@
 A value source scores nodes, ``await source(ctx, nodes) -> list[float]`` (higher is better, in
 [0, 1] for the built-in ones unless given another label map). Per-step sources give each step (or state) a value and reduce the
 values along the path with ``agg`` — ``last | min | mean | prod``, search-and-learn's convention.
-Values are cached per search in ``ctx.scratch``, so a node (or, for state values, a state) is
+Values are cached per search in ``ctx.value_caches`` (by source), so a node (or, for state values, a state) is
 scored once (``logprob`` with ``agg=last`` recomputes instead: one ``exp`` of a sum costs less).
 
 * ``rm`` — the reward model (``ctx.evaluate``), per-step scores reduced by ``agg``;
@@ -54,7 +54,7 @@ class ValueSource:
         return attrgetter("state_key" if self.by_state else "id")
 
     async def __call__(self, ctx, nodes: Sequence[Node]) -> list[float]:
-        cache = ctx.scratch.setdefault(("value", self.name), {})
+        cache = ctx.value_caches.setdefault((self.name,), {})
         key = self.cache_key(ctx)
         todo: dict[Any, Node] = {}  # the first node of each key not yet valued, in order
         # ``last`` needs each node's own value only: no path walked, no ancestor valued
@@ -88,7 +88,7 @@ class RMValue(ValueSource):
     name = "rm"
 
     async def __call__(self, ctx, nodes: Sequence[Node]) -> list[float]:
-        cache = ctx.scratch.setdefault(("value", "rm", self.agg), {})
+        cache = ctx.value_caches.setdefault(("rm", self.agg), {})
         todo = list({n.id: n for n in nodes if n.id not in cache}.values())
         if todo:
             cache.update(zip((n.id for n in todo), await ctx.evaluate(todo, aggregation=self.agg)))
@@ -237,7 +237,7 @@ class LMValue(ValueSource):
 
 class RolloutValue:
     """1 when a rollout from the node reaches a successful terminal, else 0 (the env's
-    verifier: flags the search). The leaf reached is remembered in ``ctx.scratch["rollout"]``."""
+    verifier: flags the search). The leaf reached is remembered in ``ctx.rollout_leaves``."""
 
     name = "rollout"
 
@@ -246,7 +246,7 @@ class RolloutValue:
 
     async def __call__(self, ctx, nodes: Sequence[Node]) -> list[float]:
         leaves = await ctx.rollout(nodes, temperature=self.temperature)
-        seen = ctx.scratch.setdefault("rollout", {})
+        seen = ctx.rollout_leaves
         out = []
         for node, leaf in zip(nodes, leaves):
             seen[node.id] = leaf.id
@@ -329,7 +329,7 @@ def softmax(logprobs: Sequence[float]) -> list[float]:
 # --- frontier helpers --------------------------------------------------------------------------
 def remember(ctx, nodes: Sequence[Node], values: Sequence[float]) -> None:
     """Record the strategy's values of nodes (read by :func:`best_answer`)."""
-    ctx.scratch.setdefault("values", {}).update(zip(map(_ID, nodes), values))
+    ctx.values.update(zip(map(_ID, nodes), values))
 
 
 ORDERS = ("value", "proposal")
@@ -379,9 +379,9 @@ def text_key(ctx, node: Node) -> int:
     """An id shared by nodes reached by the same action texts from the root (ToT's ``y``: the
     whole output so far). Two children of one parent share it when they wrote the same
     action; interned per search, so the key is computed once per node."""
-    keys = ctx.scratch.get("text_keys")
-    if keys is None:  # made once per search (setdefault would build two dicts per call)
-        keys = ctx.scratch["text_keys"] = ({}, {})
+    keys = ctx.text_keys
+    if keys is None:  # made once per search
+        keys = ctx.text_keys = ({}, {})
     by_node, by_path = keys
     key = by_node.get(node.id)
     if key is None:
@@ -433,7 +433,7 @@ def last_step_values(nodes: Sequence[Node], values: Sequence[float]) -> list[flo
 
 def best_answer(ctx) -> Node | None:
     """The best-valued finished node, else the best-valued node, else None."""
-    values: dict[int, float] = ctx.scratch.get("values", {})
+    values: dict[int, float] = ctx.values
     nodes = [ctx.tree.nodes[i] for i in values]
     done = [n for n in nodes if n.terminal and n.status != FAILED]
     pool = done or nodes

@@ -46,3 +46,13 @@ class PartlyCached(OraclePolicy):
             for g in gs:
                 g.cached_tokens = g.prompt_tokens // self.divisor
         return out
+
+
+def fake_ctx(**fields):
+    """A stand-in for a search's context with the per-search fields strategies and value
+    sources share (:class:`omrl_search.ops.SearchContext`), empty, plus ``fields``."""
+    from types import SimpleNamespace
+
+    base = dict(values={}, rollout_leaves={}, value_caches={}, text_keys=None, answer=None,
+                state=None, scratch={})
+    return SimpleNamespace(**{**base, **fields})

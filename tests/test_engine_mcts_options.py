@@ -9,7 +9,8 @@ import pytest
 
 import omrl_search as om
 from omrl_search.tree import Node
-from strategies.mcts import MCTS
+from helpers import fake_ctx
+from strategies.mcts import MCTS, MCTSState
 
 TASKS = om.load_tasks("game24", "test", limit=6)
 
@@ -20,7 +21,7 @@ def _fan(children):
     kids = [Node(i + 1, 0, 1, f"c{i}", visits=v, value_sum=q, prior=1 / len(children))
             for i, (v, q) in enumerate(children)]
     tree = SimpleNamespace(nodes=[root, *kids])
-    return SimpleNamespace(tree=tree, scratch={"kids": {0: kids}, "dead": set()}), kids
+    return fake_ctx(tree=tree, state=MCTSState(kids={0: kids})), kids
 
 
 @pytest.mark.parametrize("rule,want", [("uct", 1), ("puct", 0)])

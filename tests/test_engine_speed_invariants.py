@@ -15,7 +15,7 @@ import pytest
 
 import omrl_search as om
 from envs.arith import _number, fmt
-from helpers import Recording
+from helpers import Recording, fake_ctx
 from omrl_search.env import make_env, stable_hash
 from omrl_search.reward import aggregate
 from strategies.values import LogprobValue, step_prob
@@ -93,7 +93,7 @@ def test_value_sources_reduce_each_path_by_agg(agg):
     (result,) = om.search_many(om.load_tasks("game24", "test", limit=1), policy="scripted:oracle:p=0.5",
                                strategy="beam:width=2,k=2")
     nodes = result.tree.nodes
-    ctx = SimpleNamespace(scratch={}, tree=result.tree)
+    ctx = fake_ctx(tree=result.tree)
     coro = LogprobValue(agg)(ctx, nodes)
     with pytest.raises(StopIteration) as done:  # logprob values never wait on the engine
         coro.send(None)
@@ -113,7 +113,7 @@ def test_logprob_values_of_failed_and_repeated_nodes():
 
     a, b, bad = node(1, [-0.5, -0.25]), node(2, None), node(3, [-0.1], FAILED)
     root = Node(0, None, 0, "")
-    coro = LogprobValue("last")(SimpleNamespace(scratch={}), [a, bad, a, b, root])
+    coro = LogprobValue("last")(fake_ctx(), [a, bad, a, b, root])
     with pytest.raises(StopIteration) as done:
         coro.send(None)
     assert done.value.value == [math.exp(-0.75), 0.0, math.exp(-0.75), 1.0, 1.0]
@@ -142,7 +142,7 @@ def test_a_value_source_values_each_key_once_in_first_seen_order():
             source(ctx, nodes).send(None)
         return done.value.value
 
-    ctx, source = SimpleNamespace(scratch={}), ByState()
+    ctx, source = fake_ctx(), ByState()
     first = [node(1, "x"), node(2, "y"), node(3, "x"), node(4, "z", FAILED), node(5, "y")]
     assert run(source, ctx, first) == [1.0, 2.0, 1.0, 0.0, 2.0]
     assert asked == [[1, 2]]
@@ -216,7 +216,7 @@ def test_prompts_are_sorted_only_for_policies_that_share_prefixes():
 def test_mcts_backup_of_sibling_runs_equals_one_walk_per_node():
     """The batched backup adds each value at each ancestor in the same order as one walk per
     node, so the floating-point sums are equal to the last bit."""
-    from strategies.mcts import MCTS
+    from strategies.mcts import MCTS, MCTSState
 
     rng = random.Random(2)
     results = om.search_many(om.load_tasks("game24", "test", limit=3), policy="scripted:oracle:p=0.5",
@@ -227,7 +227,7 @@ def test_mcts_backup_of_sibling_runs_equals_one_walk_per_node():
         pairs.sort(key=lambda p: p[0].parent if p[0].parent is not None else -1)  # sibling runs
         for n in nodes:
             n.visits, n.value_sum = 0, 0.0
-        MCTS()._backup(SimpleNamespace(scratch={"sims": 0}, tree=r.tree), pairs)
+        MCTS()._backup(fake_ctx(state=MCTSState(), tree=r.tree), pairs)
         got = [(n.visits, n.value_sum) for n in nodes]
         for n in nodes:
             n.visits, n.value_sum = 0, 0.0

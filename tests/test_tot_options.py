@@ -13,6 +13,7 @@ import omrl_search as om
 from omrl_search.backends.scripted import ScriptedPolicy
 from omrl_search.tree import DUPLICATE, Node
 from omrl_search.types import Generation
+from helpers import fake_ctx
 from strategies.tot import TreeOfThoughts
 from strategies.values import (PAPER_MAPPING, LMValue, dedup_nodes, keep_best, parse_mapping,
                                text_key)
@@ -117,8 +118,7 @@ def test_frontier_in_value_order_ties_in_proposal_order(order, first):
 
 
 def test_keep_best_orders_and_prunes():
-    class Ctx:
-        scratch: dict = {}
+    Ctx = fake_ctx
 
     nodes = [Node(i, 0, 1, "") for i in range(5)]
     values = [0.5, 0.9, 0.5, 0.1, 0.9]
@@ -153,8 +153,8 @@ def test_text_key_is_the_action_texts_from_the_root():
     r = search("tot:b=5,k=3,evaluator=lm,n_evaluate=1,dedup=none",
                Script(DUP_MOVES, verdicts={"3 3 4": ["likely"]}))
 
-    class Ctx:
-        tree, scratch = r.tree, {}
+    def Ctx():
+        return fake_ctx(tree=r.tree)
 
     a, b, c = [n for n in r.tree.nodes if n.depth == 1]
     ctx = Ctx()
@@ -224,7 +224,8 @@ def test_value_map_decides_the_frontier():
 def test_value_samples_are_summed_or_averaged():
     class Ctx:
         def __init__(self):
-            self.scratch, self.asks = {}, []
+            self.asks = []
+            self.values, self.value_caches, self.text_keys = {}, {}, None
 
         async def ask(self, nodes, prompts, n, temperature=None, max_tokens=None):
             self.asks.append(n)
@@ -289,8 +290,8 @@ def test_zero_repeats_of_siblings_reads_the_last_step_as_text_keys_do():
     r = search("tot:b=5,k=3,evaluator=lm,n_evaluate=1,dedup=none",
                Script(DUP_MOVES, verdicts={"3 3 4": ["likely"]}))
 
-    class Ctx:
-        tree, scratch = r.tree, {}
+    def Ctx():
+        return fake_ctx(tree=r.tree)
 
     ctx = Ctx()
     nodes = r.tree.nodes[1:]

@@ -40,7 +40,7 @@ class GreedyRetry(Strategy):
             if child is None or child.status == FAILED:
                 break
             node = child
-        ctx.scratch["answer"] = node
+        ctx.answer = node
 
     def select(self, ctx):
-        return ctx.scratch.get("answer", ctx.tree.nodes[-1])
+        return ctx.answer or ctx.tree.nodes[-1]
