@@ -172,7 +172,9 @@ def _first_line(exc: BaseException) -> str:
     return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", lines[-1] if lines else type(exc).__name__)
 
 
-class _LRU(OrderedDict):
+class LRU(OrderedDict):
+    """A dict that keeps its ``size`` most recently put entries."""
+
     def __init__(self, size: int) -> None:
         super().__init__()
         self.size = size
@@ -203,7 +205,7 @@ class TokenMasker:
         self.info = info
         self.vocab_size = int(info.vocab_size)
         self._compiler = xgr.GrammarCompiler(info, max_threads=max(1, int(threads)))
-        self._compiled = _LRU(cache_size)
+        self._compiled = LRU(cache_size)
         self._bitmask: Any = None
 
     @classmethod
@@ -330,7 +332,7 @@ def check(grammar: Grammar, text: str) -> str:
     xgr = _xgr()
     if "compiler" not in _CHECKER:
         _CHECKER["compiler"] = xgr.GrammarCompiler(xgr.TokenizerInfo([]), max_threads=1)
-        _CHECKER["cache"] = _LRU(1024)
+        _CHECKER["cache"] = LRU(1024)
     cache = _CHECKER["cache"]
     compiled = cache.get(grammar.text)
     if compiled is None:

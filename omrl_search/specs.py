@@ -146,3 +146,9 @@ def split_path_spec(arg: str, what: str = "options") -> tuple[str, dict[str, Any
 
 class UsageError(Exception):
     """A bad argument or setting; the CLI prints it as one line and exits with status 2."""
+
+
+def error_line(exc: BaseException) -> str:
+    """``Type: first line of the message`` of an exception, for one-line errors."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")

@@ -302,8 +302,8 @@ def test_llamacpp_gbnf_and_xgrammar_masks_are_equal(llama) -> None:
 
     ll, tok = llama._ll, llama.tokenizer
     eos = sorted(tok.eos_token_ids)
-    xe = XGrammarEngine(ll, tok._vocab, llama.n_vocab, eos)
-    ge = GBNFEngine(ll, tok._vocab, llama.n_vocab, eos, np)
+    xe = XGrammarEngine(ll, tok.vocab, llama.n_vocab, eos)
+    ge = GBNFEngine(ll, tok.vocab, llama.n_vocab, eos, np)
     for grammar, text in ((grammars()["game24"], "Think: 4 * 6 = 24\nAct: answer (4 + 6) * 8/3"),
                           (grammars()["actions"], 'Think: say it\nAct: say "hi"')):
         gx, gg = xe.guide(grammar), ge.guide(grammar)

@@ -97,16 +97,8 @@ def test_the_checker_sees_lazy_and_dynamic_imports(tmp_path):
 # --- no private names across modules in the core (issue 40) ------------------------------------
 #: namedtuple's public methods, spelled with a leading underscore
 PUBLIC_UNDERSCORE = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
-#: reaches into private names that predate this check, in files other helpers own (the reward
-#: models' / backends' issue): each (file, name) may stay until its owner renames it; a new one fails
-KNOWN = {("omrl_search/backends/_llamacpp_grammar.py", "_LRU"),
-         ("omrl_search/backends/openai.py", "_first_line"),
-         ("omrl_search/backends/vllm.py", "_first_line"),
-         ("omrl_search/backends/vllm.py", "_looks_local"),
-         ("omrl_search/backends/llamacpp.py", "_vocab"),
-         # torch's own CPU probes (torch is passed in, so not seen as a third-party name)
-         ("omrl_search/backends/hf.py", "_is_amx_tile_supported"),
-         ("omrl_search/backends/hf.py", "_is_avx512_bf16_supported")}
+#: reaches into private names allowed anyway: none left (a new one fails)
+KNOWN: set[tuple[str, str]] = set()
 
 
 def _private(name: str) -> bool:

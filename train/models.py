@@ -5,6 +5,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from omrl_search.specs import error_line
+
 from .config import LoraSettings, TrainConfig, TrainError
 
 
@@ -40,7 +42,7 @@ def load_model(cfg: TrainConfig, *, model_class: Any = None, with_lora: bool = T
         tokenizer = AutoTokenizer.from_pretrained(path, **extra)
         model = cls.from_pretrained(path, dtype=torch.float32, **extra, **kwargs)
     except Exception as exc:  # noqa: BLE001 - one line for any loading failure
-        raise TrainError(f"cannot load {cfg.model!r}: {_first_line(exc)}") from None
+        raise TrainError(f"cannot load {cfg.model!r}: {error_line(exc)}") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if gguf:
@@ -111,6 +113,3 @@ def load_weights(model: Any, folder: str | Path) -> None:
                          f"(missing {missing[:2]}, unexpected {unexpected[:2]})")
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")

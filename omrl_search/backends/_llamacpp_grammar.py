@@ -24,7 +24,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any, Sequence
 
-from ..constrain import Grammar, GrammarError, TokenMasker, _LRU
+from ..constrain import Grammar, GrammarError, TokenMasker, LRU
 
 
 def raw_pieces(ll: Any, vocab: Any, n_vocab: int) -> list[bytes]:
@@ -72,7 +72,7 @@ class GBNFEngine:
         self._ll, self._vocab, self._np = ll, vocab, np
         self.n_vocab = n_vocab
         self._stops = np.asarray(sorted(eos_ids), dtype=np.int64)
-        self._templates = _LRU(cache_size)
+        self._templates = LRU(cache_size)
         dt = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)], align=True)
         if dt.itemsize != ctypes.sizeof(ll.llama_token_data):
             raise GrammarError("llamacpp: unexpected llama_token_data layout; use grammar_engine=xgrammar")

@@ -41,12 +41,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..host import bf16_native
+from ..kv_rows import kv_of_row, load_cached, make_cache
 from ..policy import (Policy, PolicyError, from_path_spec, register_policy, request_prompt_ids,
                       require)
+from ..prefix_cache import RadixCache, cache_limit
+from ..specs import error_line
 from ..types import GenRequest
 from ._decode import ChunkedDecoder, Row, prefix_groups
-from ..kv_rows import kv_of_row, load_cached, make_cache
-from ..prefix_cache import RadixCache, cache_limit
 from .hf_tokenizer import HFChatTokenizer
 
 #: the CPU dtype used when ``dtype="auto"`` (on CPUs with native bfloat16, see
@@ -65,19 +67,10 @@ def _cpu_auto_dtype(torch: Any) -> str:
     AVX512-BF16), where bfloat16 matmuls are emulated and slower than float32."""
     if CPU_DEFAULT_DTYPE != "bfloat16":
         return CPU_DEFAULT_DTYPE
-    try:
-        native = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
-    except AttributeError:  # older/newer torch without these probes
-        native = False
-    return "bfloat16" if native else "float32"
+    return "bfloat16" if bf16_native() else "float32"
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
-
-
-def _looks_local(path: str) -> bool:
+def looks_local(path: str) -> bool:
     """A filesystem path (must exist here) rather than a hub id like ``org/name``."""
     return (
         os.path.isabs(path)
@@ -144,7 +137,7 @@ class HFPolicy(ChunkedDecoder, Policy):
         path = os.path.expanduser(str(path))
         if gguf_file is None and path.endswith(".gguf") and os.path.isfile(path):
             path, gguf_file = os.path.split(os.path.abspath(path))
-        if _looks_local(path) and not os.path.exists(path):
+        if looks_local(path) and not os.path.exists(path):
             raise PolicyError(f"hf: model path {path!r} does not exist")
         if gguf_file is not None and not os.path.exists(os.path.join(path, gguf_file)):
             raise PolicyError(f"hf: GGUF file {os.path.join(path, gguf_file)!r} does not exist")
@@ -160,7 +153,7 @@ class HFPolicy(ChunkedDecoder, Policy):
         except PolicyError:
             raise
         except Exception as exc:  # noqa: BLE001 - one clear line for any loading failure
-            raise PolicyError(f"hf: cannot load a causal LM from {path!r}: {_first_line(exc)}") from None
+            raise PolicyError(f"hf: cannot load a causal LM from {path!r}: {error_line(exc)}") from None
         model.to(self.device).eval()
         if load_tokenizer:
             gen_eos = getattr(model.generation_config, "eos_token_id", None)

@@ -92,6 +92,11 @@ def _cpu_count() -> int:
 class LlamaCppTokenizer:
     """llama.cpp's tokenizer for a loaded model, as a ChatTokenizer."""
 
+    @property
+    def vocab(self) -> Any:
+        """llama.cpp's vocabulary handle (what its grammar samplers are made for)."""
+        return self._vocab
+
     def __init__(self, ll: Any, model: Any) -> None:
         self._ll = ll
         self._vocab = ll.llama_model_get_vocab(model)
@@ -328,7 +333,7 @@ class LlamaCppPolicy(ChunkedDecoder, Policy):
                 import importlib.util
 
                 engine = "xgrammar" if importlib.util.find_spec("xgrammar") else "gbnf"
-            args = (self._ll, self.tokenizer._vocab, self.n_vocab)
+            args = (self._ll, self.tokenizer.vocab, self.n_vocab)
             eos = sorted(self.tokenizer.eos_token_ids)
             self._grammar = (lg.XGrammarEngine(*args, eos) if engine == "xgrammar"
                              else lg.GBNFEngine(*args, eos, self._np))

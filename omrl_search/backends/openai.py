@@ -83,7 +83,7 @@ from typing import Any
 from ..constrain import GrammarError, stamp, validate
 from ..policy import Policy, PolicyError, from_path_spec, register_policy, require
 from ..types import GenRequest, Generation
-from .hf import _first_line
+from ..specs import error_line
 
 _SEED_MOD = 2**31
 #: request fields a grammar can go in (see the module docstring)
@@ -188,7 +188,7 @@ class OpenAIPolicy(Policy):
         except httpx.TimeoutException as exc:
             raise _Retryable(f"timed out ({type(exc).__name__})") from None
         except httpx.TransportError as exc:
-            raise _Retryable(_first_line(exc)) from None
+            raise _Retryable(error_line(exc)) from None
         if resp.status_code == 429 or resp.status_code >= 500:
             raise _Retryable(f"HTTP {resp.status_code}: {_error_text(resp)}", _retry_after(resp))
         if resp.status_code >= 400:
@@ -268,7 +268,7 @@ class OpenAIPolicy(Policy):
             try:
                 out.append((ticket, fut.result()[0]))
             except Exception as exc:  # noqa: BLE001 - _generate_all catches; this is a last guard
-                out.append((ticket, PolicyError(f"openai: {_first_line(exc)}")))
+                out.append((ticket, PolicyError(f"openai: {error_line(exc)}")))
         return sorted(out, key=lambda item: item[0])
 
     def _map(self, fn: Any, items: list) -> list[Any]:
@@ -277,7 +277,7 @@ class OpenAIPolicy(Policy):
             try:
                 return fn(item)
             except Exception as exc:  # noqa: BLE001 - collected, raised by generate
-                return exc if isinstance(exc, PolicyError) else PolicyError(f"openai: {_first_line(exc)}")
+                return exc if isinstance(exc, PolicyError) else PolicyError(f"openai: {error_line(exc)}")
 
         if len(items) <= 1:
             return [safe(x) for x in items]
@@ -435,7 +435,7 @@ def _load_tokenizer(spec: str) -> Any:
     try:
         return load_encoder(str(spec)).tok
     except Exception as exc:  # noqa: BLE001 - one line for any loading failure
-        raise PolicyError(f"openai: cannot load tokenizer {spec!r}: {_first_line(exc)}") from None
+        raise PolicyError(f"openai: cannot load tokenizer {spec!r}: {error_line(exc)}") from None
 
 
 @register_policy("openai")

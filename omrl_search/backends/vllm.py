@@ -65,7 +65,8 @@ from typing import Any
 from ..constrain import GrammarError, stamp, validate
 from ..policy import Policy, PolicyError, from_path_spec, register_policy, request_prompt_ids
 from ..types import GenRequest, Generation
-from .hf import _first_line, _looks_local
+from ..specs import error_line
+from .hf import looks_local
 from .hf_tokenizer import HFChatTokenizer
 
 INSTALL_HINT = ("pip install 'omrl-search[vllm]' (CUDA), or on CPUs `make test-vllm`, "
@@ -84,7 +85,7 @@ def _import_vllm(verbose: bool) -> Any:
         import vllm
     except ImportError as exc:
         if exc.name is not None and exc.name.split(".")[0] != "vllm":
-            raise PolicyError(f"vllm: importing vllm failed ({_first_line(exc)}); {INSTALL_HINT}") from None
+            raise PolicyError(f"vllm: importing vllm failed ({error_line(exc)}); {INSTALL_HINT}") from None
         raise PolicyError(f"vllm: vLLM is not installed: {INSTALL_HINT}") from None
     if not verbose:
         logging.getLogger("vllm").setLevel(logging.ERROR)
@@ -97,7 +98,7 @@ def _resolve(model: str) -> str:
 
         return hf_folder()
     path = os.path.expanduser(model)
-    if _looks_local(path) and not os.path.exists(path):
+    if looks_local(path) and not os.path.exists(path):
         raise PolicyError(f"vllm: model path {path!r} does not exist")
     if os.path.exists(path) and not os.path.isfile(os.path.join(path, "config.json")):
         raise PolicyError(f"vllm: {path!r} is not an HF model folder (no config.json)")
@@ -172,7 +173,7 @@ class VLLMPolicy(Policy):
         try:
             return self._vllm.LLM(model=path, **self._engine_args)
         except Exception as exc:  # noqa: BLE001 - bad options (EngineArgs), a bad folder...: one line
-            raise PolicyError(f"vllm: cannot load {path!r}: {_first_line(exc)}") from None
+            raise PolicyError(f"vllm: cannot load {path!r}: {error_line(exc)}") from None
 
     def _load_tokenizer(self, path: str) -> HFChatTokenizer:
         from transformers import AutoTokenizer, GenerationConfig
@@ -180,7 +181,7 @@ class VLLMPolicy(Policy):
         try:
             hf = AutoTokenizer.from_pretrained(path)
         except Exception as exc:  # noqa: BLE001
-            raise PolicyError(f"vllm: cannot load a tokenizer from {path!r}: {_first_line(exc)}") from None
+            raise PolicyError(f"vllm: cannot load a tokenizer from {path!r}: {error_line(exc)}") from None
         extra: list[int] = []
         try:
             eos = GenerationConfig.from_pretrained(self.path).eos_token_id
@@ -205,7 +206,7 @@ class VLLMPolicy(Policy):
             self._shutdown()
             self.llm = self._build(new)
         except Exception as exc:  # noqa: BLE001
-            raise PolicyError(f"vllm: cannot reload weights from {new!r}: {_first_line(exc)}") from None
+            raise PolicyError(f"vllm: cannot reload weights from {new!r}: {error_line(exc)}") from None
         self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
         self.path = new
 
@@ -276,7 +277,7 @@ class VLLMPolicy(Policy):
             )
         except Exception as exc:  # noqa: BLE001 - one line; the engine retries request by request
             self._abort_unfinished()
-            raise PolicyError(f"vllm: generation failed: {_first_line(exc)}") from None
+            raise PolicyError(f"vllm: generation failed: {error_line(exc)}") from None
         for i, res in zip(run, results):
             out[i] = self._generations(res, requests[i], len(prompts[i]))
         return out
@@ -312,7 +313,7 @@ class VLLMPolicy(Policy):
             try:
                 engine.add_request(rid, {"prompt_token_ids": ids}, params)
             except Exception as exc:  # noqa: BLE001
-                self._done.append((ticket, PolicyError(f"vllm: request refused: {_first_line(exc)}")))
+                self._done.append((ticket, PolicyError(f"vllm: request refused: {error_line(exc)}")))
                 continue
             self._running[rid] = (ticket, req, len(ids))
 
@@ -330,7 +331,7 @@ class VLLMPolicy(Policy):
                         done.append((item[0], self._generations(res, item[1], item[2])))
         except Exception as exc:  # noqa: BLE001 - a failed step fails what was running, not the search
             self._abort_unfinished()
-            error = PolicyError(f"vllm: generation failed: {_first_line(exc)}")
+            error = PolicyError(f"vllm: generation failed: {error_line(exc)}")
             done += [(ticket, error) for ticket, _, _ in self._running.values()]
             self._running.clear()
         return done
