@@ -40,7 +40,7 @@ import os
 import secrets
 import time
 from contextlib import asynccontextmanager
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable
 
 from omrl_search.env import env_class
 
@@ -48,9 +48,6 @@ from ._agentgym import hello, served
 from ._env_pool import PROTOCOL, ApiError, EnvPool
 from .server_limits import MAX_READING, READ_TIMEOUT, bounded_http
 
-MAX_ACTION_CHARS = 100_000
-#: where /reset takes its task from: exactly one of these fields
-TASK_SOURCES = ("data_idx", "session_id", "task")
 _QUERIES = ("observation", "valid_actions", "expert_action", "heuristic")  # GET ?id=
 MAX_BODY_MB = 4.0
 TOKEN_VAR = "OMRL_ENV_SERVER_TOKEN"  # the bearer token, when --token is not given
@@ -137,18 +134,53 @@ class BodyLimit:
 
 
 # --- the FastAPI app -------------------------------------------------------------------------
+def install_error_handlers(app) -> None:
+    """Every error the app answers as ``{"error": message}`` with its status: our ApiError,
+    starlette's HTTP errors (404 path, 405 with Allow, 413), a bug of ours (500), and request
+    validation (400 malformed JSON, 422 a bad field)."""
+    from fastapi import Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException
+
+    def error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_req: Request, exc: ApiError):
+        return error(exc.status, str(exc))
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_req: Request, exc: HTTPException):  # 404 path, 405 (with Allow), 413
+        return error(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _crash(_req: Request, exc: Exception):  # a bug of ours: still one JSON line
+        return error(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_request(_req: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errors):
+            e = next(e for e in errors if e.get("type") == "json_invalid")
+            return error(400, f"malformed JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}")
+        parts = [f"{'.'.join(str(p) for p in e['loc'][1:]) or e['loc'][0]}: {e['msg']}" for e in errors]
+        return error(422, "bad request: " + "; ".join(parts))
+
+
 def create_app(env: str, *, max_envs: int = 64, idle_timeout: float = 600.0,
                max_snapshots: int = 20_000, call_timeout: float = 60.0,
                max_body_bytes: int = int(MAX_BODY_MB * 2**20), token: str | None = None,
                trust_tasks: bool = False, clock: Callable[[], float] = time.monotonic):
-    """The FastAPI app serving ``env`` (models are built here so importing this module is cheap).
+    """The FastAPI app serving ``env``: its pool, middleware, error answers and routes (the
+    bodies are in :mod:`envs.server_models`, imported here so importing this module is cheap).
 
     ``token``: require ``Authorization: Bearer <token>`` on every request (None: no auth)."""
-    from fastapi import Body, Depends, FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse
-    from pydantic import BaseModel, ConfigDict, Field, model_validator
+    from fastapi import Body, Depends, FastAPI
     from starlette.exceptions import HTTPException
+
+    from .server_models import (Closed, CreateBody, Created, ErrorOut, ForkOut, ResetOut,
+                                RestoreOut, SnapshotOut, StepOut, request_bodies)
 
     pool = EnvPool(env, max_envs=max_envs, idle_timeout=idle_timeout, max_snapshots=max_snapshots,
                    call_timeout=call_timeout, trust_tasks=trust_tasks, clock=clock)
@@ -166,12 +198,6 @@ def create_app(env: str, *, max_envs: int = 64, idle_timeout: float = 600.0,
     app.add_middleware(BodyLimit, limit=max_body_bytes, error=HTTPException)
     if token:
         app.add_middleware(BearerToken, token=token)  # added last: runs first
-
-    class Strict(BaseModel):
-        model_config = ConfigDict(strict=True)  # `{"id": false}` and `{"id": "0"}` are no ids
-
-    class ErrorOut(BaseModel):
-        error: str
 
     def answers(*codes: int, links: dict[str, Any] | None = None) -> dict[int | str, dict[str, Any]]:
         """The route's error answers for the spec, and its OpenAPI links (what a client, or a
@@ -198,164 +224,9 @@ def create_app(env: str, *, max_envs: int = 64, idle_timeout: float = 600.0,
     on_env = (404, 410, 500, 503, 504)  # any call on an env id
 
     webshop = served(env) == "WebShop"  # WebShop's env_idx dialect besides the id one
+    EnvRef, ResetBody, StepBody, RestoreBody, ForkBody = request_bodies(webshop)
 
-    class IdRef(Strict):
-        id: int = Field(description="the env id /create answered")
-        env_idx: ClassVar[None] = None  # only the webshop server takes WebShop's name
-
-        @property
-        def ref(self) -> int:
-            return self.id
-
-    class EnvIdxRef(Strict):  # id or env_idx (WebShop's clients send env_idx), exactly one
-        model_config = ConfigDict(strict=True, json_schema_extra={
-            "oneOf": [{"required": ["id"]}, {"required": ["env_idx"]}]})
-        id: int = Field(None, description="the env id /create answered")
-        env_idx: int = Field(None, description="WebShop's name for id")
-
-        @model_validator(mode="after")
-        def _one_id(self):
-            if (self.id is None) == (self.env_idx is None):
-                raise ValueError("give the env id as id (or env_idx, WebShop's name for it), once")
-            return self
-
-        @property
-        def ref(self) -> int:
-            return self.id if self.id is not None else self.env_idx
-
-    EnvRef = EnvIdxRef if webshop else IdRef
-
-    class CreateBody(Strict):  # TextCraft's client sends {minecraft_dir, commands, goal}: ignored
-        first_episode: bool = Field(True, description="start task data_idx=id and answer its "
-                                                      "observation, as AgentGym's TextCraft does")
-
-    class TaskBody(Strict):
-        env: str | None = None
-        task_id: str
-        split: str = "test"
-        seed: int = 0
-        instruction: str = ""
-        data: dict[str, Any] = {}
-
-    def one_task_source(schema: dict[str, Any]) -> None:
-        """The schema says what the server accepts: exactly one of data_idx, session_id, task
-        (beside the id rule an env-ref class may already state)."""
-        rules = schema.setdefault("allOf", [])
-        rules.append({"oneOf": [{"required": [k]} for k in TASK_SOURCES]})
-        if webshop:  # this class's own extra replaces EnvIdxRef's: restate its id rule
-            rules.append({"oneOf": [{"required": ["id"]}, {"required": ["env_idx"]}]})
-
-    class ResetBody(EnvRef):
-        model_config = ConfigDict(strict=True, json_schema_extra=one_task_source)
-        data_idx: int | None = Field(None, description="index into the env's task list of `split` "
-                                                       "(any index >= 0, taken modulo its size)")
-        session_id: int | None = Field(None, description="WebShop's name for data_idx")
-        split: str = "test"
-        task: TaskBody | None = Field(None, description="a full task instead of data_idx, checked by "
-                                                        "the env's task_from_dict")
-        snapshot: bool = Field(False, description="also store a snapshot of the new state")
-
-        @model_validator(mode="after")
-        def _one_source(self):
-            if sum(getattr(self, k) is not None for k in TASK_SOURCES) != 1:
-                raise ValueError("give exactly one of data_idx (with split), session_id or task")
-            return self
-
-    class StepBody(EnvRef):
-        action: str = Field(max_length=MAX_ACTION_CHARS)
-        snapshot: bool = Field(False, description="also store a snapshot of the new state")
-
-    class RestoreBody(EnvRef):
-        snapshot_id: str = Field(max_length=200)
-
-    class ForkBody(EnvRef):
-        snapshot_id: str | None = Field(None, max_length=200)
-
-    class Created(BaseModel):
-        id: int
-        env: str
-        observation: str = Field(description="the first task's observation ('' when the env has no "
-                                             "task list or first_episode is false)")
-        reward: float
-        done: bool
-        task_id: str | None = None
-
-    class Closed(BaseModel):
-        id: int
-        closed: bool
-
-    class ResetOut(BaseModel):
-        id: int
-        observation: str
-        reward: float
-        score: float
-        done: bool
-        task_id: str
-        instruction: str
-        state_key: str
-        dedup_key: str | None = Field(None, description="the env's dedup key, when it has one of its own (Env.dedup_key)")
-        snapshot_id: str | None = None
-        task_name: str | None = Field(None, description="SciWorld: ScienceWorld's task name")
-        var_num: int | None = Field(None, description="SciWorld: the task's variation")
-        task_description: str | None = Field(None, description="SciWorld: the task, which its "
-                                                               "client shows before the observation")
-
-    class StepOut(BaseModel):
-        observation: str
-        reward: float
-        score: float = Field(description="the episode's score on the env's AgentGym scale: "
-                                         "ScienceWorld's 0-100 for sciworld, else summed reward")
-        done: bool = Field(description="terminated or truncated (AgentGym's one flag)")
-        terminated: bool = Field(description="the task reached an end state")
-        truncated: bool = Field(description="the episode was cut (a step limit)")
-        success: bool
-        valid: bool = Field(description="false when the action was malformed or not admissible")
-        info: dict[str, Any]
-        state_key: str
-        dedup_key: str | None = Field(None, description="the env's dedup key, when it has one of its own (Env.dedup_key)")
-        snapshot_id: str | None = None
-        state: str | None = Field(None, description="the observation again, under WebShop's name "
-                                                    "(sent when the request named env_idx)")
-
-    class SnapshotOut(BaseModel):
-        snapshot_id: str
-        state_key: str
-        dedup_key: str | None = Field(None, description="the env's dedup key, when it has one of its own (Env.dedup_key)")
-        observation: str
-
-    class RestoreOut(BaseModel):
-        observation: str
-        state_key: str
-        dedup_key: str | None = Field(None, description="the env's dedup key, when it has one of its own (Env.dedup_key)")
-        score: float
-        done: bool
-
-    class ForkOut(RestoreOut):
-        id: int
-
-    def error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-        return JSONResponse({"error": message}, status_code=status, headers=headers)
-
-    @app.exception_handler(ApiError)
-    async def _api_error(_req: Request, exc: ApiError):
-        return error(exc.status, str(exc))
-
-    @app.exception_handler(HTTPException)
-    async def _http_error(_req: Request, exc: HTTPException):  # 404 path, 405 (with Allow), 413
-        return error(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _crash(_req: Request, exc: Exception):  # a bug of ours: still one JSON line
-        return error(500, f"internal error: {type(exc).__name__}: {exc}")
-
-    @app.exception_handler(RequestValidationError)
-    async def _bad_request(_req: Request, exc: RequestValidationError):
-        errors = exc.errors()
-        if any(e.get("type") == "json_invalid" for e in errors):
-            e = next(e for e in errors if e.get("type") == "json_invalid")
-            return error(400, f"malformed JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}")
-        parts = [f"{'.'.join(str(p) for p in e['loc'][1:]) or e['loc'][0]}: {e['msg']}" for e in errors]
-        return error(422, "bad request: " + "; ".join(parts))
+    install_error_handlers(app)
 
     def either_id(id: int | None = None, env_idx: int | None = None) -> int:  # noqa: A002
         """The env id of a GET query on the webshop server: ``?id=`` or ``?env_idx=`` (WebShop)."""
