@@ -109,11 +109,6 @@ class LogprobValue(ValueSource):
 
     name = "logprob"
 
-    async def __call__(self, ctx, nodes: Sequence[Node]) -> list[float]:
-        if self.agg == "last":  # a node's own step: cheaper to compute again than to cache
-            return [0.0 if n.status == FAILED else step_prob(n) for n in nodes]
-        return await super().__call__(ctx, nodes)
-
     async def step_values(self, ctx, nodes: list[Node]) -> list[float]:
         return [step_prob(n) for n in nodes]
 

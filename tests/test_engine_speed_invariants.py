@@ -312,31 +312,33 @@ def test_the_overhead_benchmarks_timed_env_changes_no_search():
     assert row["env_in_search_s"] > 0 and "engine_us_per_node_in_search" in row
 
 
-def test_well_formed_fast_check_accepts_and_rejects_what_the_full_one_does(monkeypatch):
-    """``well_formed`` passes plain generations through one exact-type check (``_plain``);
-    on generations with every kind of odd field it keeps and reports what the field-by-field
-    check alone (``_malformed``) keeps and reports."""
+def test_well_formed_keeps_exactly_the_generations_with_sound_fields():
+    """``well_formed`` checks every field of every generation (one path, no fast check): numpy
+    scalars count as numbers, bools and negatives do not; what it drops it says why."""
     import numpy as np
 
     import omrl_search.batching as batching
     from omrl_search.types import Generation
 
-    fields = {
-        "text": ["Act: x", b"Act: x", None],
-        "token_ids": [[1, 2], [], None, (1, 2), [1, True], [1, -2], [np.int64(3)], [1.0], "12"],
-        "logprobs": [[-0.5, -1], [], None, (-0.5,), [np.float32(-1)], [None], ["x"], [True]],
-        "prompt_tokens": [3, 0, -1, 2.0, True, np.int64(4)],
-        "completion_tokens": [2, 0, -3, None],
+    fields = {  # each field's variants: (value, sound)
+        "text": [("Act: x", True), (b"Act: x", False), (None, False)],
+        "token_ids": [([1, 2], True), ([], True), (None, True), ((1, 2), True), ([1, True], False),
+                      ([1, -2], False), ([np.int64(3)], True), ([1.0], False), ("12", False)],
+        "logprobs": [([-0.5, -1], True), ([], True), (None, True), ((-0.5,), True),
+                     ([np.float32(-1)], True), ([None], False), (["x"], False), ([True], False),
+                     ([float("nan")], False), ([float("inf")], False), ([float("-inf")], True)],
+        "prompt_tokens": [(3, True), (0, True), (-1, False), (2.0, False), (True, False),
+                          (np.int64(4), True)],
+        "completion_tokens": [(2, True), (0, True), (-3, False), (None, False)],
     }
     base = {"text": "Act: x", "token_ids": [1, 2], "logprobs": [-0.5, -1.0],
             "prompt_tokens": 3, "completion_tokens": 2}
-    gens = [Generation(**{**base, name: value}) for name, values in fields.items() for value in values]
-    gens += [SimpleNamespace(**base), "Act: x"]
-    fast = batching.well_formed(gens, len(gens))
-    monkeypatch.setattr(batching, "_plain", lambda _g: False)
-    full = batching.well_formed(gens, len(gens))
-    assert fast == full
-    assert 0 < len(fast[0]) < len(gens) and len(fast[1]) == len(gens) - len(fast[0])
+    cases = [(Generation(**{**base, name: value}), sound)
+             for name, values in fields.items() for value, sound in values]
+    cases += [(SimpleNamespace(**base), False), ("Act: x", False)]
+    kept, why = batching.well_formed([g for g, _ in cases], len(cases))
+    assert [any(k is g for k in kept) for g, _ in cases] == [sound for _, sound in cases]
+    assert len(why) == sum(not sound for _, sound in cases) and all(why)
 
 
 def test_a_search_rng_made_on_first_use_draws_from_the_search_seed():
