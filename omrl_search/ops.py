@@ -85,8 +85,8 @@ class EvaluateOp(Op):
 
 
 class Seeds:
-    """One search's request seeds: ``step(node, call)`` is ``engine._mix(seed, node, call)`` and
-    ``ask(node, call)`` is ``engine._mix(seed, "ask", node, call)`` for ints, computed from a
+    """One search's request seeds: ``step(node, call)`` is ``engine.mix_seed(seed, node, call)`` and
+    ``ask(node, call)`` is ``engine.mix_seed(seed, "ask", node, call)`` for ints, computed from a
     copy of the hash state after the seed's part (the same bits, half the cost per request)."""
 
     __slots__ = ("_base",)

@@ -16,7 +16,7 @@ from typing import Any
 from omrl_search.policy import PolicyError
 
 from . import prm
-from .config import TrainError, _override_items
+from .config import TrainError, override_items
 
 #: the policy trainers' help lines; :data:`train.trainers.TRAINERS` has the trainers themselves
 #: (imported only when one runs: they import torch)
@@ -65,7 +65,7 @@ def overrides(args: argparse.Namespace) -> list[str] | dict[str, Any]:
         out["resume"] = True
     if getattr(args, "no_progress", False):
         out["progress"] = False
-    for key, value in _override_items(args.set):
+    for key, value in override_items(args.set):
         out[key] = value
     return out
 

@@ -109,7 +109,7 @@ def settings_from_sources(cls: type[M], yaml_path: str | None = None,
         if loaded is not None and not isinstance(loaded, dict):
             raise TrainError(f"{yaml_path}: a config file must hold a mapping")
         data = loaded or {}
-    for key, value in _override_items(overrides):
+    for key, value in override_items(overrides):
         _set_dotted(data, key, value)
     try:
         return cls.model_validate(data)
@@ -120,7 +120,7 @@ def settings_from_sources(cls: type[M], yaml_path: str | None = None,
         raise TrainError(f"{src}{where}: {err['msg']}") from None
 
 
-def _override_items(overrides: dict[str, Any] | Sequence[str] | None) -> Iterator[tuple[str, Any]]:
+def override_items(overrides: dict[str, Any] | Sequence[str] | None) -> Iterator[tuple[str, Any]]:
     if not overrides:
         return
     if isinstance(overrides, dict):
