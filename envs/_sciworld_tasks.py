@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import tempfile
 import threading
 from typing import Any
@@ -43,6 +44,23 @@ def start_jvm() -> Any:
         finally:
             if not own:
                 os.environ.pop("JAVA_TOOL_OPTIONS", None)
+
+
+def stop_jvm(sw: Any, wait: float = 10.0) -> None:
+    """Close ``sw`` (a :func:`start_jvm` env) and reap its JVM. ScienceWorld's own ``close``
+    only asks the JVM to exit and never waits for it, so each closed env left a zombie process
+    until ours exited (and after, where PID 1 does not reap). The JVM is the ``java_process`` of
+    ScienceWorld's py4j gateway; one that has not exited within ``wait`` seconds is killed."""
+    sw.close()
+    gateway = getattr(sw, "_gateway", None)  # ScienceWorld keeps no public handle on its JVM
+    proc = getattr(gateway, "java_process", None)
+    if proc is None:
+        return
+    try:
+        proc.wait(wait)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def make_task(family: str, variation: int, split: str, description: str,
@@ -114,7 +132,7 @@ class Catalog:
 
     def __exit__(self, *exc: Any) -> None:
         if self.sw is not None:
-            self.sw.close()
+            stop_jvm(self.sw)
             save_cache()
         _CACHE_LOCK.release()
 

@@ -37,7 +37,7 @@ from typing import Any
 from omrl_search.env import Env, EnvError, ReplayDivergence, ReplayEnv, register_env, stable_hash
 from omrl_search.types import Snapshot, StepResult, Task
 
-from ._sciworld_tasks import cached, save_cache, split_tasks, start_jvm, task_from_row
+from ._sciworld_tasks import cached, save_cache, split_tasks, start_jvm, stop_jvm, task_from_row
 from ._text_env import episode_over, step_result
 
 MAX_STEPS = 30
@@ -234,7 +234,7 @@ class SciWorldSim(Env):
 
     def close(self) -> None:
         if self.sw is not None:
-            self.sw.close()
+            stop_jvm(self.sw)
             self.sw = None
 
 

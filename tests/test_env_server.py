@@ -399,22 +399,72 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_cli_serve_then_search_with_env_server(tmp_path, capsys):
+def _serve(env: str, *flags: str) -> tuple[subprocess.Popen, str]:
+    """An `omrl env serve` subprocess, once its /health answers, and its URL."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "omrl_search.cli", "env", "serve", "--env", "game24",
-                             "--port", str(port), "--max-envs", "2"], cwd=ROOT, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "omrl_search.cli", "env", "serve", "--env", env,
+                             "--port", str(port), *flags], cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(proc.communicate()[1])
+        try:
+            if httpx.get(url + "/health", timeout=1).json()["status"] == "ok":
+                return proc, url
+        except httpx.HTTPError:
+            if time.monotonic() > deadline:
+                _stop(proc)
+                raise AssertionError("omrl env serve did not come up") from None
+            time.sleep(0.2)
+
+
+def _stop(proc: subprocess.Popen, grace: float = 20.0) -> None:
+    """SIGTERM (the server's own shutdown), and if it is not gone within ``grace`` seconds,
+    SIGKILL; either way the process is waited for, so no zombie is left behind."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    proc.communicate()
+
+
+def _zombie_or_alive(pid: int) -> str | None:
+    """'Z' for a zombie, the state letter of a live process, None once it is gone."""
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            try:
-                if httpx.get(url + "/health", timeout=1).json()["status"] == "ok":
-                    break
-            except httpx.HTTPError:
-                assert time.monotonic() < deadline, "omrl env serve did not come up"
-                time.sleep(0.2)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None
+
+
+@pytest.mark.parametrize("env", ["game24", "sciworld"])
+def test_server_stop_reaps_itself_and_its_children(env):
+    """A stopped server leaves no process, zombie or alive: the sciworld one holds a JVM per env,
+    which ScienceWorld's own close never waits for (its server's JVM outlived it, then a zombie)."""
+    import psutil
+
+    proc, url = _serve(env)
+    try:
+        env_id = httpx.post(url + "/create", json={}, timeout=120).json()["id"]
+        httpx.post(url + "/reset", json={"id": env_id, "data_idx": 0}, timeout=120).raise_for_status()
+        children = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        assert env != "sciworld" or children, "the sciworld server should hold a JVM"
+    finally:
+        _stop(proc)
+    assert proc.returncode is not None and _zombie_or_alive(proc.pid) is None
+    # at once, not after a while: a child still running when the server is gone exits as an
+    # orphan, a zombie until PID 1 reaps it (here, seconds later)
+    assert {pid: _zombie_or_alive(pid) for pid in children} == dict.fromkeys(children)
+
+
+def test_cli_serve_then_search_with_env_server(tmp_path, capsys):
+    proc, url = _serve("game24", "--max-envs", "2")
+    try:
         # 3 tasks on a server capped at 2 envs: the search keeps 2 trees in flight
         args = ["search", "--env", "game24", "--limit", "3", "--strategy", "mcts", "--seed", "2",
                 "--no-progress"]
@@ -428,9 +478,8 @@ def test_cli_serve_then_search_with_env_server(tmp_path, capsys):
         assert main(["search", "--env", "countdown", "--env-server", url, "--no-progress"]) == 2
         assert "serves env 'game24', not 'countdown'" in capsys.readouterr().err
     finally:
-        os.kill(proc.pid, signal.SIGTERM)
-        proc.wait(20)
-    assert proc.returncode is not None
+        _stop(proc)
+    assert proc.returncode is not None and _zombie_or_alive(proc.pid) is None
     assert main(["search", "--env", "game24", "--env-server", url, "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "cannot use env server" in err
