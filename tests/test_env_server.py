@@ -4,7 +4,6 @@ AgentGym dialects work against fake AgentGym servers, and the CLI runs a search 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
