@@ -23,11 +23,13 @@ from array import array
 from collections import OrderedDict
 from typing import Any, Sequence
 
-from omrl_search.prefix_cache import RadixCache
+from omrl_search.prefix_cache import RadixCache, common_prefix
 
 #: memory bound of the KV cache (MiB) and of the memo (read positions) by default
 DEFAULT_CACHE_MB = 512
 DEFAULT_MEMO_ENTRIES = 1 << 18
+#: the fewest tokens rows must share, beyond their cached prefix, to be forwarded once for all
+MIN_SHARED = 8
 
 
 def prefix_digests(ids: Sequence[int], positions: Sequence[int]) -> list[bytes]:
@@ -83,12 +85,14 @@ class PrefixScorer:
         """The logit at every read position of every ``(ids, positions)``, and how many tokens
         each row ran through the model (call under ``torch.inference_mode``, model in eval mode)."""
         self._check_weights(model)
-        out: list[list[float | None]] = []
+        keys = [prefix_digests(ids, pos) for ids, pos in encoded]
         cost = [0] * len(encoded)
-        work = []  # (row, first step to read, cached length, its KV pieces, last token)
+        for r, tokens in self._prime(model, encoded, keys, batch_size, pad_id).items():
+            cost[r] += tokens
+        out: list[list[float | None]] = []
+        work = []  # (row, first step to read, cached length, its KV pieces, last token, keys)
         for r, (ids, pos) in enumerate(encoded):
-            keys = prefix_digests(ids, pos)
-            got = [self.memo.get(k) for k in keys]
+            got = [self.memo.get(k) for k in keys[r]]
             out.append(got)
             self.counts["steps"] += len(pos)
             self.counts["tokens"] += (max(pos) + 1) if pos else 0
@@ -96,20 +100,61 @@ class PrefixScorer:
             self.counts["memo_hits"] += len(pos) - len(missing)
             for j, v in enumerate(got):
                 if v is not None:
-                    self.memo.move_to_end(keys[j])
+                    self.memo.move_to_end(keys[r][j])
             if not missing:
                 continue
             j0 = missing[0]
             last = max(pos[j0:])
             n, parts = self.kv.lookup(ids[:last + 1], max_len=min(pos[j0:]))
-            work.append((r, j0, n, parts, last, keys))
+            work.append((r, j0, n, parts, last, keys[r]))
         work.sort(key=lambda w: w[4] + 1 - w[2])  # rows with as many new tokens together
         for start in range(0, len(work), batch_size):
             self._forward(model, encoded, work[start:start + batch_size], out, pad_id)
         for r, _, n, _, last, _ in work:
-            cost[r] = last + 1 - n
+            cost[r] += last + 1 - n
         self.counts["forwarded_tokens"] += sum(cost)
         return out, cost  # type: ignore[return-value]
+
+    def _prime(self, model: Any, encoded: Sequence[tuple[list[int], list[int]]],
+               keys: Sequence[list[bytes]], batch_size: int, pad_id: int) -> dict[int, int]:
+        """Forward once every prefix that two or more rows share beyond what the caches hold:
+        its KV goes into the KV cache and the steps it reads into the memo, so siblings scored
+        together (a node's children; the first children of a root, which is never scored
+        itself) then run only their own tokens. Prefixes shared among those prefixes go first
+        (recursively). Returns the tokens forwarded, by the index of the first row sharing each
+        prefix (the row that pays for it)."""
+        rows = []  # (tokens up to the row's last read not in the memo, row index)
+        for r, (ids, pos) in enumerate(encoded):
+            todo = [p for p, k in zip(pos, keys[r]) if k not in self.memo]
+            if todo:
+                rows.append((ids[:max(todo) + 1], r))
+        if len(rows) < 2:
+            return {}
+        rows.sort()
+        found: dict[tuple[int, ...], int] = {}
+        for (ta, a), (tb, b) in zip(rows, rows[1:]):
+            n = common_prefix(ta, tb, min(len(ta), len(tb)))
+            if n >= MIN_SHARED + max(self.kv.lookup(ta, max_len=n)[0], self.kv.lookup(tb, max_len=n)[0]):
+                key = tuple(ta[:n])
+                found[key] = min(found.get(key, a), a, b)
+        if not found:
+            return {}
+        prefixes = sorted(found, key=len)
+        sub = [(list(p), [q for q in encoded[found[p]][1] if q < len(p)]) for p in prefixes]
+        sub_keys = [keys[found[p]][:len(pos)] for p, (_, pos) in zip(prefixes, sub)]
+        nested = self._prime(model, sub, sub_keys, batch_size, pad_id)
+        work, charged = [], {}
+        for i, ((ids, pos), ks) in enumerate(zip(sub, sub_keys)):
+            j0 = next((j for j, k in enumerate(ks) if k not in self.memo), len(pos))
+            n, parts = self.kv.lookup(ids, max_len=pos[j0] if j0 < len(pos) else len(ids))
+            row = found[prefixes[i]]
+            charged[row] = charged.get(row, 0) + len(ids) - n + nested.get(i, 0)
+            if n < len(ids):
+                work.append((i, j0, n, parts, len(ids) - 1, ks))
+        for start in range(0, len(work), batch_size):
+            self._forward(model, sub, work[start:start + batch_size],
+                          [[None] * len(pos) for _, pos in sub], pad_id)
+        return charged
 
     def _forward(self, model: Any, encoded: Sequence[tuple[list[int], list[int]]], chunk: list,
                  out: list[list[float | None]], pad_id: int) -> None:
@@ -138,11 +183,12 @@ class PrefixScorer:
                           past_key_values=cache, use_cache=True).last_hidden_state
         for b, (r, j0, n, _, last, keys) in enumerate(chunk):
             ids, pos = encoded[r]
-            cols = torch.tensor([p - n for p in pos[j0:]], device=dev)
-            vals = model.head(hidden[b, cols].to(model.head.weight.dtype)).squeeze(-1).float().tolist()
-            for j, v in zip(range(j0, len(pos)), vals):
-                out[r][j] = v
-                self.memo[keys[j]] = v
+            if pos[j0:]:  # (a shared prefix, forwarded for the KV alone, has no read)
+                cols = torch.tensor([p - n for p in pos[j0:]], device=dev)
+                vals = model.head(hidden[b, cols].to(model.head.weight.dtype)).squeeze(-1).float().tolist()
+                for j, v in zip(range(j0, len(pos)), vals):
+                    out[r][j] = v
+                    self.memo[keys[j]] = v
             self.kv.insert(ids[:last + 1], kv_of_row(cache, mask, b, last + 1))
         while len(self.memo) > self.memo_entries:
             self.memo.popitem(last=False)

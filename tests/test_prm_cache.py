@@ -104,20 +104,39 @@ def test_prefix_digests_name_each_prefix():
     assert len(set(d)) == 3 and prefix_digests(ids, [2, 0])[1] == prefix_digests([5], [0])[0]
 
 
-def test_a_prm_guided_search_picks_the_same_with_and_without_the_cache(pair):
+def test_siblings_scored_together_forward_their_shared_prefix_once(pair):
+    on, off = pair
+    kids = [Episode(PROMPT, [STEPS[0][0], c], [STEPS[0][1], o])
+            for c, o in (STEPS[1], STEPS[2], ("Act: dance", "You dance."))]
+    got = on.score_episodes(kids)
+    _close(got, off.score_episodes(kids))
+    encoded = [on.encode(k) for k in kids]
+    shared = min(min(len(a[0]), len(b[0])) for a, b in zip(encoded, encoded[1:]))
+    while any(e[0][:shared] != encoded[0][0][:shared] for e in encoded):
+        shared -= 1
+    new = sum(pos[-1] + 1 - shared for _, pos in encoded)
+    assert on.prefix.counts["forwarded_tokens"] == shared + new  # not 3 * shared + new
+
+
+@pytest.mark.parametrize("schedule", ["continuous", "lockstep"])
+@pytest.mark.parametrize("strategy", ["mcts:simulations=12,k=2,value=rm", "beam:width=2,k=2,value=rm"])
+def test_a_prm_guided_search_picks_the_same_with_and_without_the_cache(pair, schedule, strategy):
     on, off = pair
     tasks = om.load_tasks("game24", "test", limit=2)
-    kw = dict(strategy="mcts:simulations=12,k=2,value=rm", policy="scripted:oracle:p=0.5", seed=0)
+    kw = dict(strategy=strategy, policy="scripted:oracle:p=0.5", seed=0, schedule=schedule)
     a = om.search_many(tasks, reward_model=on, **kw)
     b = om.search_many(tasks, reward_model=off, **kw)
     for x, y in zip(a, b):
         assert not x.faults and not y.faults
         assert [n.state_key for n in x.tree.nodes] == [n.state_key for n in y.tree.nodes]
         assert [n.score for n in x.tree.nodes] == pytest.approx([n.score for n in y.tree.nodes], abs=1e-4)
-    assert on.stats()["prefix_cache"]["memo_hits"] > 0
-    # what the scores cost is charged: tokens forwarded, fewer through the cache
+    stats = on.stats()["prefix_cache"]
+    assert stats["memo_hits"] > 0  # the cache lives across the search's calls
+    # what the scores cost is charged as rm_tokens: exactly the tokens the PRM forwarded (with
+    # the cache on) or read (off), fewer through the cache
     spent_on = sum(r.spent["rm_tokens"] for r in a)
     spent_off = sum(r.spent["rm_tokens"] for r in b)
+    assert spent_on == stats["forwarded_tokens"] and spent_off == stats["tokens"]
     assert 0 < spent_on < spent_off
 
 
