@@ -36,7 +36,9 @@ BABYAI_LEVELS = tuple(f"BabyAI-{name}-v0" for name in (
 #: ScienceWorld task ids AgentGym's SciWorld server leaves out of its index
 SCIWORLD_SKIPPED = frozenset({"5-1", "5-2", "9-1", "9-2", "9-3", "10-1", "10-2"})
 GOAL = "Your goal: "  # how AgentGym's BabyAI server puts the mission into the first observation
-OMRL_HELLO = "(omrl env serve: see /info)"  # what tells our server's GET / from AgentGym's
+OMRL_HELLO = "(omrl env serve: see /info)"
+#: how an AgentGym episode's success can be decided: the env's own rule, or AgentGym's evaluation
+SUCCESS_RULES = ("env", "agentgym")  # what tells our server's GET / from AgentGym's
 
 
 # --- server side ---------------------------------------------------------------------------
@@ -46,6 +48,18 @@ SERVED = {"babyai": "BabyAI", "sciworld": "SciWorld", "webshop": "WebShop"}
 
 def served(env: str) -> str | None:
     return SERVED.get(env)
+
+
+#: actions that only look, per AgentGym env: answered with the current observation, no step
+#: (AgentGym's BabyAI lists ``check available actions`` in every observation; ours end with the
+#: available actions already)
+LOOKS = {"BabyAI": "check available actions"}
+
+
+def only_looks(env: str, action: str) -> bool:
+    """Whether ``action`` on bundled ``env`` served in AgentGym's dialect only looks."""
+    look = LOOKS.get(served(env) or "")
+    return look is not None and " ".join(action.lower().split()) == look
 
 
 def hello(env: str) -> str:
@@ -90,13 +104,24 @@ class Profile:
     ours: bool = False
     env: str | None = None
 
-    # how AgentGym's evaluation decides success, per env
-    def success(self, reward: float, score: float, done: bool) -> bool:
-        """BabyAI: a positive reward at the end (its reward is 1 - 0.9 * steps / limit, never a
-        fixed 1); SciWorld: score 100; TextCraft and WebShop: reward 1 at the end; a server of
-        unknown kind: AgentGym's generic rule, final reward 1."""
+    # success, per env: the env's own rule, and AgentGym's evaluation
+    def success(self, reward: float, score: float, done: bool, rule: str = "env") -> bool:
+        """Whether an episode ending here succeeded, by ``rule``:
+
+        * ``"env"`` (the default): the env's own rule. BabyAI: a positive reward at the end
+          (minigrid's reward is 1 - 0.9 * steps / limit, never a fixed 1); SciWorld: score 100;
+          TextCraft and WebShop: reward 1 at the end; a server of unknown kind: final reward 1.
+        * ``"agentgym"``: AgentGym's own evaluation (``agentenv.controller.utils``): the final
+          reward its client reports equals 1 or 100. BabyAI's and SciWorld's clients report the
+          score, the others the step's reward. By this rule a BabyAI episode never succeeds.
+        """
         if not done:
             return False
+        if rule == "agentgym":
+            final = score if self.name in ("BabyAI", "SciWorld") else reward
+            return final in (1, 100)
+        if rule != "env":
+            raise ValueError(f"success rule must be env or agentgym, got {rule!r}")
         if self.name == "BabyAI":
             return reward > 0
         if self.name == "SciWorld":

@@ -385,6 +385,23 @@ class EnvPool:
                 out["snapshot_id"] = self._store(idx, slot, snap)
             return out
 
+    def look(self, idx: int) -> dict[str, Any]:
+        """A ``/step`` answer for an action that only looks (AgentGym BabyAI's ``check
+        available actions``): the current observation, no env step, nothing counted."""
+        deadline = self._deadline()
+        with self.use(idx, deadline) as slot:
+            if slot.task is None or slot.done:
+                raise ApiError(409, f"env {idx} has no episode under way: POST /reset first")
+            env = slot.env
+
+            def work():
+                return env.observe(), keys(env)
+
+            obs, key = self._timed("observe", deadline, work, idx=idx, slot=slot)
+            return {"observation": obs, "reward": 0.0, "score": slot.score, "done": False,
+                    "terminated": False, "truncated": False, "success": False, "valid": True,
+                    "info": {}, **key}
+
     def observation(self, idx: int) -> str:
         deadline = self._deadline()
         with self.use(idx, deadline) as slot:

@@ -47,7 +47,7 @@ from typing import Any
 from omrl_search.env import Env, EnvError, ReplayDivergence, _check_snapshot, env_class, stable_hash
 from omrl_search.types import Snapshot, StepResult, Task
 
-from ._agentgym import Profile, identify
+from ._agentgym import SUCCESS_RULES, Profile, identify
 
 DEFAULT_TIMEOUT = 60.0
 TOKEN_VAR = "OMRL_ENV_SERVER_TOKEN"  # the bearer token, when no token= is given
@@ -151,8 +151,12 @@ class RemoteEnv(Env):
     ``action_help``, ``description``, ``examples`` and ``max_steps`` come from the server's
     ``/info`` (omrl) or from the local env class of that name (AgentGym), unless given.
     ``profile``: the AgentGym server's :class:`~envs._agentgym.Profile` (default: asked from its
-    ``GET /``). ``success_score``: when given, an AgentGym episode succeeded when it ends with
-    ``score`` (else summed reward) at least this, instead of the profile's rule. AgentGym
+    ``GET /``). ``success_rule``: how an AgentGym server's episode counts as a success,
+    ``"env"`` (the default: the env's own rule, e.g. BabyAI's positive final reward) or
+    ``"agentgym"`` (AgentGym's evaluation: a final reward of exactly 1 or 100, which no BabyAI
+    episode reaches); each step's ``info`` carries both verdicts (``success_env``,
+    ``success_agentgym``) whichever decides. ``success_score``: when given, an AgentGym episode
+    succeeded when it ends with ``score`` (else summed reward) at least this, instead. AgentGym
     servers give no final answer (``info["answer"]``), so strategies that vote on answers have
     nothing to compare there, and only ``done``, read as ``terminated``. An omrl server's
     ``/step`` answer carries the typed ``terminated``, ``truncated``, ``success`` and ``valid``
@@ -163,7 +167,8 @@ class RemoteEnv(Env):
 
     def __init__(self, url: str, env: str, *, dialect: str = "omrl", timeout: float = DEFAULT_TIMEOUT,
                  http: Http | None = None, info: dict[str, Any] | None = None,
-                 success_score: float | None = None, profile: Profile | None = None,
+                 success_score: float | None = None, success_rule: str = "env",
+                 profile: Profile | None = None,
                  token: str | None = None, retries: int = RETRIES, _env_id: Any = None, **about: Any):
         if dialect != "omrl" and dialect not in AGENTGYM_DIALECTS:
             raise ValueError(f"unknown env server dialect {dialect!r} (known: omrl, "
@@ -171,7 +176,9 @@ class RemoteEnv(Env):
         self.http = http or Http(url, timeout, token=token)
         self.dialect, self.native = dialect, dialect == "omrl"
         self.id_key, self.index_key = AGENTGYM_DIALECTS.get(dialect, ("id", "data_idx"))
-        self.success_score = success_score
+        if success_rule not in SUCCESS_RULES:
+            raise ValueError(f"success_rule must be one of {', '.join(SUCCESS_RULES)}, got {success_rule!r}")
+        self.success_score, self.success_rule = success_score, success_rule
         if info is None and self.native:
             info = self.http.call("GET", "/info")
         if profile is None and not self.native:
@@ -183,6 +190,7 @@ class RemoteEnv(Env):
         self.origin = Origin(self.http.url, env, dialect, getattr(self.http, "timeout", timeout),
                              getattr(self.http, "token", token),
                              {"info": info, "profile": profile, "success_score": success_score,
+                              "success_rule": success_rule,
                               "retries": retries, **about})
         self._describe(env, info or {}, dict(about))
         self._task: Task | None = None
@@ -286,13 +294,15 @@ class RemoteEnv(Env):
         else:
             obs = str(out["observation"] if "observation" in out else out.get("state", ""))
             self._score = float(out["score"]) if out.get("score") is not None else self._score + reward
-            info, valid = {"score": self._score}, True
+            verdicts = {f"success_{rule}": self.profile.success(reward, self._score, done, rule)
+                        for rule in SUCCESS_RULES}
+            info, valid = {"score": self._score, **verdicts}, True
             if self.success_score is not None:
                 success = done and self._score >= self.success_score
             elif isinstance(out.get("success"), bool):  # an omrl server in AgentGym's dialect
                 success = out["success"]
             else:
-                success = self.profile.success(reward, self._score, done)
+                success = verdicts[f"success_{self.success_rule}"]
             self._key, self._ref, self._dedup = self._state_key(self._task, obs), None, ""
         # Gymnasium's two flags when the server sends them; a bare ``done`` counts as terminated
         terminated = bool(out.get("terminated", done and not out.get("truncated")))

@@ -44,7 +44,7 @@ from typing import Any, Callable
 
 from omrl_search.env import env_class
 
-from ._agentgym import hello, served
+from ._agentgym import hello, only_looks, served
 from ._env_pool import PROTOCOL, ApiError, EnvPool
 from .server_limits import MAX_READING, READ_TIMEOUT, bounded_http
 
@@ -269,7 +269,8 @@ def create_app(env: str, *, max_envs: int = 64, idle_timeout: float = 600.0,
               responses=answers(*posted, *on_env, 409, links=live("$request.body#/id",
                                                                    "$response.body#/snapshot_id")))
     def step(body: StepBody):
-        out = pool.step(body.ref, body.action, body.snapshot)
+        looks = only_looks(env, body.action) and not body.snapshot
+        out = pool.look(body.ref) if looks else pool.step(body.ref, body.action, body.snapshot)
         return {**out, "state": out["observation"]} if body.env_idx is not None else out
 
     @app.get("/observation", response_model=str, responses=answers(422, *on_env, 409),

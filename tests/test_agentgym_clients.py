@@ -1,13 +1,15 @@
 """AgentGym's clients against ``omrl env serve``, on loopback: stand-ins written here from the
-documented shapes of AgentGym's clients (``agentenv/envs/{babyai,sciworld,textcraft,webshop}.py``:
-the calls they make and the fields they read, a missing one failing as it would there), since
-none of AgentGym's code is installable here (see tests/test_agentgym_interop.py for why, and for
-the other direction: RemoteEnv against AgentGym-style servers). docs/env_server.md reports what
-was run.
+shapes of AgentGym's clients (``agentenv/envs/{babyai,sciworld,textcraft,webshop}.py``: the calls
+they make, the fields they read, a missing one failing as it would there, and the BabyAI and
+TextCraft clients' character filter on actions), so CI needs none of AgentGym's code. Their real
+clients and servers were run once against ours (benchmarks/agentgym_real.py; docs/env_server.md
+reports the run); tests/test_agentgym_interop.py has the other direction, RemoteEnv against
+AgentGym-style servers.
 """
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -19,6 +21,12 @@ from envs.server import create_app
 
 
 # === AgentGym-style clients (stand-ins of agentenv.envs.*EnvClient) ============================
+def agentgym_filter(action: str) -> str:
+    """What AgentGym's BabyAI and TextCraft clients send of an action: every character but
+    letters, digits, commas and spaces stripped, runs of spaces made one."""
+    return " ".join(re.sub(r"[^A-Za-z0-9, ]+", "", action).split()).strip()
+
+
 class IdClient:
     """The ``id`` clients' transport: POST /create, then bodies with ``id``; any status but 200
     fails (the real ones ``assert res.status_code == 200``)."""
@@ -49,7 +57,7 @@ class BabyAIClient(IdClient):
         return self.info["observation"]
 
     def step(self, action: str) -> tuple[str, float, bool]:
-        r = self._post("step", {"action": action})
+        r = self._post("step", {"action": agentgym_filter(action)})
         self.info = {k: r[k] for k in ("observation", "reward", "score", "done")}
         return r["observation"], r["score"], r["done"]
 
@@ -82,7 +90,7 @@ class TextCraftClient(IdClient):
         return self.info["observation"]
 
     def step(self, action: str) -> tuple[str, float, bool]:
-        r = self._post("step", {"action": action})
+        r = self._post("step", {"action": agentgym_filter(action)})
         self.info = {"observation": r["observation"], "reward": r["reward"], "done": r["done"]}
         return r["observation"], r["reward"], r["done"]
 
@@ -157,9 +165,25 @@ def test_babyai_client_sees_its_goal_and_any_index_is_a_task():
         assert r.status_code == 409  # a finished episode refuses more steps
 
 
+def test_babyai_clients_check_available_actions_only_looks():
+    """AgentGym's BabyAI lists `check available actions` in every observation: on our server it
+    answers the current observation (which ends with the actions) and steps nothing."""
+    with serving(create_app("babyai")) as base:
+        client = BabyAIClient(base)
+        client.reset(0)
+        before = httpx.get(f"{base}/observation", params={"id": client.env_id}, timeout=10).json()
+        obs, reward, done = client.step("Check available actions")
+        assert (obs, reward, done) == (before, 0.0, False) and "Available actions:" in obs
+        reward, done, steps = _play(client, base)  # the episode goes on as if it had not been sent
+        fresh = BabyAIClient(base)
+        fresh.reset(0)
+        assert (reward, done, steps) == _play(fresh, base)
+
+
 def test_textcraft_client_gets_the_first_observation_from_create_and_leaves_nothing_open():
-    with serving(create_app("game24")) as base:
-        tasks = om.load_tasks("game24", "test")
+    # household: its actions are plain words, so they survive the client's character filter
+    with serving(create_app("household")) as base:
+        tasks = om.load_tasks("household", "test")
         for episode in range(4):
             client = TextCraftClient(base)
             first = tasks[client.env_id % len(tasks)]
@@ -170,6 +194,20 @@ def test_textcraft_client_gets_the_first_observation_from_create_and_leaves_noth
             assert (reward, done) == (1.0, True)
             assert client.close()["closed"] is True
         assert _live(base) == 0
+
+
+@pytest.mark.parametrize("env", ["game24", "countdown"])
+def test_arithmetic_actions_do_not_survive_the_textcraft_clients_filter(env):
+    """The documented limit: `4 - 1` reaches the server as `4 1`, an invalid action, so Game24
+    and Countdown cannot be played through AgentGym's TextCraft client (use RemoteEnv)."""
+    with serving(create_app(env)) as base:
+        client = TextCraftClient(base)
+        client.reset(0)
+        action = _expert(base, "id", client.env_id)
+        assert agentgym_filter(action) != action
+        obs, reward, done = client.step(action)
+        state = httpx.get(f"{base}/observation", params={"id": client.env_id}, timeout=10).json()
+        assert (reward, done) == (0.0, False) and "invalid" in obs.lower(), (obs, state)
 
 
 def test_a_create_whose_first_reset_fails_leaves_no_env_open():

@@ -2,7 +2,7 @@
 
 An omrl server sends ``terminated``/``truncated``/``success``/``valid``; an older one sent
 ``done`` with ``success``/``valid`` in ``info``; AgentGym servers send ``done`` and a reward
-(success decided per AgentGym env, as its evaluation does, or by ``success_score``). Answers come from a scripted HTTP stand-in, so
+(success by the env's own rule or AgentGym's evaluation, both reported, or by ``success_score``). Answers come from a scripted HTTP stand-in, so
 no server runs here (tests/test_env_server.py runs real ones).
 """
 from __future__ import annotations
@@ -61,10 +61,14 @@ def test_omrl_server_answers_map_onto_the_typed_fields(answer, expected):
     assert fields(_omrl(answer)) == expected
 
 
+def _verdicts(score, env, agentgym):
+    return {"score": score, "success_env": env, "success_agentgym": agentgym}
+
+
 @pytest.mark.parametrize("reward, done, expected", [
-    (1.0, True, (True, False, True, True, True, {"score": 1.0})),
-    (0.0, True, (True, False, False, True, True, {"score": 0.0})),
-    (1.0, False, (False, False, False, True, False, {"score": 1.0})),  # not over: no success yet
+    (1.0, True, (True, False, True, True, True, _verdicts(1.0, True, True))),
+    (0.0, True, (True, False, False, True, True, _verdicts(0.0, False, False))),
+    (1.0, False, (False, False, False, True, False, _verdicts(1.0, False, False))),  # not over yet
 ])
 def test_agentgym_done_is_terminated_and_success_is_the_score(reward, done, expected):
     http = ScriptedHttp({"observation": "start"}, {"observation": "after", "reward": reward, "done": done})
@@ -72,23 +76,37 @@ def test_agentgym_done_is_terminated_and_success_is_the_score(reward, done, expe
     assert fields(_stepped(env, http, Task("walk", "b0", data={"data_idx": 0}))) == expected
 
 
-# --- success the way AgentGym's evaluation decides it, per env --------------------------------
-@pytest.mark.parametrize("name, answer, success", [
-    ("BabyAI", {"reward": 0.64, "score": 0.64, "done": True}, True),  # 1 - 0.9 * steps / limit
-    ("BabyAI", {"reward": 0.0, "score": 0.0, "done": True}, False),
-    ("BabyAI", {"reward": 0.9, "score": 0.9, "done": False}, False),
-    ("SciWorld", {"reward": 25, "score": 100, "done": True}, True),
-    ("SciWorld", {"reward": 8, "score": 83, "done": True}, False),
-    ("TextCraft", {"reward": 1, "done": True}, True),
-    ("TextCraft", {"reward": 0, "done": True}, False),
-    ("WebShop", {"reward": 1.0, "done": True}, True),
-    ("WebShop", {"reward": 0.75, "done": True}, False),
+# --- success per AgentGym env: the env's own rule (default) and AgentGym's evaluation ------------
+@pytest.mark.parametrize("name, answer, env_rule, agentgym_rule", [
+    # BabyAI's reward is 1 - 0.9 * steps / limit: a success by BabyAI's rule, never by AgentGym's
+    # (its evaluation counts a final reward of exactly 1 or 100; BabyAI's client reports the score)
+    ("BabyAI", {"reward": 0.8875, "score": 0.8875, "done": True}, True, False),
+    ("BabyAI", {"reward": 0.0, "score": 0.0, "done": True}, False, False),
+    ("BabyAI", {"reward": 0.9, "score": 0.9, "done": False}, False, False),
+    ("SciWorld", {"reward": 25, "score": 100, "done": True}, True, True),
+    ("SciWorld", {"reward": 8, "score": 83, "done": True}, False, False),
+    ("TextCraft", {"reward": 1, "done": True}, True, True),
+    ("TextCraft", {"reward": 0, "done": True}, False, False),
+    ("WebShop", {"reward": 1.0, "done": True}, True, True),
+    ("WebShop", {"reward": 0.75, "done": True}, False, False),
 ])
-def test_success_is_decided_per_agentgym_env(name, answer, success):
-    http = ScriptedHttp({"observation": "start"}, {"observation": "after", **answer})
-    env = RemoteEnv(http.url, "x", dialect="agentgym", http=http, profile=Profile(name), _env_id=1)
+def test_success_by_the_envs_rule_and_by_agentgyms_evaluation(name, answer, env_rule, agentgym_rule):
     task = Task("x", "t", instruction="do it", data={"data_idx": 0})  # no instruction to fetch
-    assert _stepped(env, http, task).success is success
+    got = {}
+    for rule in ("env", "agentgym"):
+        http = ScriptedHttp({"observation": "start"}, {"observation": "after", **answer})
+        env = RemoteEnv(http.url, "x", dialect="agentgym", http=http, profile=Profile(name),
+                        success_rule=rule, _env_id=1)
+        res = _stepped(env, http, task)
+        assert (res.info["success_env"], res.info["success_agentgym"]) == (env_rule, agentgym_rule)
+        got[rule] = res.success
+    assert got == {"env": env_rule, "agentgym": agentgym_rule}
+
+
+def test_an_unknown_success_rule_is_refused():
+    with pytest.raises(ValueError, match="success_rule must be one of env, agentgym"):
+        RemoteEnv("http://scripted", "x", dialect="agentgym", http=ScriptedHttp(), profile=Profile("BabyAI"),
+                  success_rule="reward>0", _env_id=1)
 
 
 def test_an_omrl_server_in_agentgym_dialect_says_success_itself():
