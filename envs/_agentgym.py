@@ -9,8 +9,8 @@ env what is served and how it was checked.
   as; :func:`worded` gives a reset answer the observation and fields that env's AgentGym client
   reads; :func:`scorer` the episode score on that env's AgentGym scale.
 * Client side (:mod:`envs.remote`): :func:`identify` tells from a server's ``GET /`` which
-  AgentGym env it serves; the :class:`Profile` of that env decides success as AgentGym's
-  evaluation does, normalises observations for state keys, lists the actions the server names,
+  AgentGym env it serves; the :class:`Profile` of that env decides success (by the env's
+  own rule or by AgentGym's evaluation), normalises observations for state keys, lists the actions the server names,
   finds the server's index of a local task and checks that the server started that task.
 """
 from __future__ import annotations

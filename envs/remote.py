@@ -13,8 +13,9 @@ server and closes it at the end. Three dialects, named by a prefix on the URL:
   ``{"state", "reward", "done", "info"}``.
 
 An AgentGym server's ``GET /`` says which env it serves ("This is environment BabyAI."), and
-that env's :class:`~envs._agentgym.Profile` decides what AgentGym's own evaluation would: success
-(BabyAI a positive reward at the end, SciWorld score 100, TextCraft and WebShop reward 1), the
+that env's :class:`~envs._agentgym.Profile` decides: success (by the env's own rule, the default:
+BabyAI a positive reward at the end, SciWorld score 100, TextCraft and WebShop reward 1; or by
+AgentGym's evaluation, a final reward of exactly 1 or 100: ``success_rule``), the
 task description a reset carries apart (SciWorld's ``task_description`` becomes the task's
 instruction when it has none), the observation as state keys see it (SciWorld's listings
 sorted), the actions the server lists (BabyAI's ``Available actions``, WebShop's
