@@ -239,3 +239,26 @@ def finished_below(tree: SearchTree) -> dict[int, tuple[int, int]]:
     return out
 
 
+def q_values(tree: SearchTree) -> dict[int, tuple[float, bool]]:
+    """Each node's ``(Q, proven)`` by id (the root left out): a finished step is its success (a
+    proven win or loss), a node with a solved finished leaf below it is a proven win (1.0: the
+    env is deterministic and single-player, so the way down is a way to win), any other node
+    with MCTS visits its visit-weighted mean return (value sum / visits, clipped to [0, 1]; not
+    proven). Nodes with neither are absent."""
+    nodes = tree.nodes
+    won: set[int] = set()
+    for n in nodes:
+        if n.terminal and n.success and n.status != FAILED:
+            up: int | None = n.id
+            while up is not None and up not in won:
+                won.add(up)
+                up = nodes[up].parent
+    out: dict[int, tuple[float, bool]] = {}
+    for n in nodes[1:]:
+        if n.id in won:
+            out[n.id] = (1.0, True)
+        elif n.terminal:
+            out[n.id] = (0.0, True)
+        elif n.visits:
+            out[n.id] = (min(max(n.value_sum / n.visits, 0.0), 1.0), False)
+    return out

@@ -9,9 +9,14 @@ prefix is identical by construction) that the search's outcome tells apart.
   chosen side merely has a higher estimate, both sides possibly failing, teach the policy
   nothing it can use, and they make DPO lower the chosen side's likelihood too.
 * ``"value"``: the older rule: node values (``value=``) that differ by at least ``margin``.
+* ``"qgap"``: rStar-Math's and ReST-MCTS*'s choice for MCTS trees: siblings whose **Q values**
+  (:func:`~omrl_search.export_common.q_values`: solver-proven wins and losses exact, other
+  nodes their visit-weighted mean return) differ by at least ``margin``, each either proven or
+  visited at least ``min_visits`` times, so a pair is not two noisy one-visit estimates. Unlike
+  ``branch`` it also pairs two unsolved siblings when the search clearly preferred one.
 
 ``chosen_value`` / ``rejected_value`` hold the siblings' node values (``branch``: the share of
-successful finished trajectories below each, Monte-Carlo).
+successful finished trajectories below each, Monte-Carlo; ``qgap``: their Q values).
 """
 from __future__ import annotations
 
@@ -20,11 +25,11 @@ from typing import Any, Iterable
 
 from .agent import TurnEncoder
 from .export_common import (ExportError, Renderer, branch_groups, check_unit, cut_at,
-                            finished_below, node_values, outcome, terminals_below)
+                            finished_below, node_values, outcome, q_values, terminals_below)
 from .result import SearchResult
 from .tree import Node, SearchTree
 
-PAIRS = ("branch", "value")
+PAIRS = ("branch", "value", "qgap")
 
 
 def _value_pairs(kids: list[Node], vals: list[float | None], margin: float
@@ -32,6 +37,14 @@ def _value_pairs(kids: list[Node], vals: list[float | None], margin: float
     scored = sorted((k for k in kids if vals[k.id] is not None), key=lambda k: -vals[k.id])
     return [(a, b, vals[a.id], vals[b.id]) for i, a in enumerate(scored) for b in scored[i + 1:]
             if vals[a.id] - vals[b.id] >= margin]
+
+
+def _qgap_pairs(kids: list[Node], q: dict[int, tuple[float, bool]], margin: float, min_visits: int
+                ) -> list[tuple[Node, Node, float, float]]:
+    known = sorted((k for k in kids if k.id in q and (q[k.id][1] or k.visits >= min_visits)),
+                   key=lambda k: -q[k.id][0])
+    return [(a, b, q[a.id][0], q[b.id][0]) for i, a in enumerate(known) for b in known[i + 1:]
+            if q[a.id][0] - q[b.id][0] >= margin]
 
 
 def _branch_pairs(kids: list[Node], below: dict[int, tuple[int, int]]
@@ -46,7 +59,7 @@ def _branch_pairs(kids: list[Node], below: dict[int, tuple[int, int]]
 
 
 def dpo_rows(results: Iterable[SearchResult], *, pairs: str = "branch", margin: float = 0.5,
-             value: str = "mc", unit: str = "step", max_pairs: int = 4,
+             value: str = "mc", unit: str = "step", max_pairs: int = 4, min_visits: int = 2,
              tokenizer: TurnEncoder | None = None) -> list[dict[str, Any]]:
     """(chosen, rejected) siblings from one prompt, chosen by ``pairs`` (module docstring).
     ``unit="step"``: chosen/rejected are the siblings' single turns (step-level DPO);
@@ -58,16 +71,25 @@ def dpo_rows(results: Iterable[SearchResult], *, pairs: str = "branch", margin: 
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin) \
             or margin < 0:
         raise ExportError(f"dpo: margin must be a finite number >= 0, got {margin!r}")
+    if isinstance(min_visits, bool) or not isinstance(min_visits, int) or min_visits < 1:
+        raise ExportError(f"dpo: min_visits must be an integer >= 1, got {min_visits!r}")
     r = Renderer(tokenizer)
     rows = []
     for res in results:
         tree = res.tree
         if pairs == "branch":
             below = finished_below(tree)
+        elif pairs == "qgap":
+            q = q_values(tree)
         else:
             vals = node_values(tree, value)
         for parent, kids in branch_groups(tree):
-            found = _branch_pairs(kids, below) if pairs == "branch" else _value_pairs(kids, vals, margin)
+            if pairs == "branch":
+                found = _branch_pairs(kids, below)
+            elif pairs == "qgap":
+                found = _qgap_pairs(kids, q, margin, min_visits)
+            else:
+                found = _value_pairs(kids, vals, margin)
             found = [p for p in found if p[0].step.completion != p[1].step.completion]
             found.sort(key=lambda p: -(p[2] - p[3]))  # stable: ties keep the siblings' order
             depth = parent.depth + 1

@@ -15,7 +15,8 @@ Each kind's rows are built in its own module (what they share: :mod:`.export_com
   (``{id, conversations: [{role, content}]}`` with ``Think:``/``Act:`` turns).
 * **DPO** (:mod:`.export_dpo`): siblings from the same prompt ids (the prefix is identical by
   construction) at real branch points: the chosen one leads to success, the rejected one not
-  (``pairs="value"``: values that differ by at least ``margin``).
+  (``pairs="value"``: values that differ by at least ``margin``; ``"qgap"``: MCTS Q values that
+  differ by at least ``margin``, both siblings proven or visited ``min_visits`` times).
 * **GRPO** (:mod:`.export_grpo`): siblings expanded from one snapshot form a group (any size);
   segments also carry the ``grammar`` each step was sampled under.
 * **PRM** (:mod:`.export_prm`): per root-to-leaf path, each step's Monte-Carlo value, MCTS
@@ -163,8 +164,12 @@ def configure(parser: Any) -> None:
                         help="sft: keep failed trajectories too (after the successful ones)")
     parser.add_argument("--cap", type=int_at_least(1), default=4, help="rs-sft: distinct successes kept per task")
     parser.add_argument("--pairs", choices=PAIRS, default="branch",
-                        help="dpo: branch (chosen leads to success, rejected not) or value (gap >= margin)")
-    parser.add_argument("--margin", type=finite_at_least(0), default=0.5, help="dpo --pairs value: least value gap")
+                        help="dpo: branch (chosen leads to success, rejected not), value (node values "
+                             "differ by >= margin) or qgap (MCTS Q values differ by >= margin)")
+    parser.add_argument("--margin", type=finite_at_least(0), default=0.5,
+                        help="dpo --pairs value|qgap: least value gap")
+    parser.add_argument("--min-visits", type=int_at_least(1), default=2,
+                        help="dpo --pairs qgap: visits each unproven sibling needs")
     parser.add_argument("--max-pairs", type=int_at_least(1), default=4, help="dpo: pairs per branch point")
     parser.add_argument("--unit", choices=("step", "trajectory"), default=None,
                         help="dpo/grpo: single turns or whole continuations (dpo: step, grpo: trajectory)")
@@ -188,7 +193,7 @@ def run(args: Any) -> int:
         opts = {"cap": args.cap}
     elif args.kind == "dpo":
         opts = {"pairs": args.pairs, "margin": args.margin, "max_pairs": args.max_pairs, "value": args.value,
-                "unit": args.unit or "step"}
+                "unit": args.unit or "step", "min_visits": args.min_visits}
     elif args.kind == "grpo":
         opts = {"min_group": args.min_group, "value": args.value, "unit": args.unit or "trajectory"}
     elif args.kind == "prm":

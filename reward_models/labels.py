@@ -110,30 +110,12 @@ KINDS = SOFT + ("exact",)  # what ``omrl label --soft`` accepts
 
 
 def q_labels(results: Sequence[Any]) -> dict[tuple[int, int], float]:
-    """``{(result index, node id): Q}``: a finished step is its success (a proven win or loss),
-    a node with a solved finished leaf below it is a proven win (1.0), any other node with MCTS
-    visits its visit-weighted mean return (value sum / visits, clipped to [0, 1]). Nodes with
-    neither are absent (their rows keep the MC value there)."""
-    from omrl_search.tree import FAILED
+    """``{(result index, node id): Q}`` of every tree (:func:`omrl_search.export_common.q_values`:
+    proven wins and losses exact, other visited nodes their visit-weighted mean return). Nodes
+    with neither are absent (their rows keep the MC value there)."""
+    from omrl_search.export_common import q_values
 
-    out: dict[tuple[int, int], float] = {}
-    for i, res in enumerate(results):
-        nodes = res.tree.nodes
-        won: set[int] = set()
-        for n in nodes:
-            if n.terminal and n.success and n.status != FAILED:
-                up: int | None = n.id
-                while up is not None and up not in won:
-                    won.add(up)
-                    up = nodes[up].parent
-        for n in nodes[1:]:
-            if n.id in won:
-                out[(i, n.id)] = 1.0
-            elif n.terminal:
-                out[(i, n.id)] = 0.0
-            elif n.visits:
-                out[(i, n.id)] = min(max(n.value_sum / n.visits, 0.0), 1.0)
-    return out
+    return {(i, nid): q for i, res in enumerate(results) for nid, (q, _) in q_values(res.tree).items()}
 
 
 def check_exact(env_names: Iterable[str]) -> None:

@@ -426,3 +426,65 @@ def test_grpo_segments_carry_the_step_grammar_and_sft_dpo_do_not(results, tmp_pa
 def _write(results, tmp_path):
     om.write_results(tmp_path / "r.jsonl", results)
     return tmp_path / "r.jsonl"
+
+
+@pytest.fixture(scope="module")
+def mcts_results():
+    """Solved trees (the oracle) and unsolved ones (random steps: visited, unproven nodes)."""
+    tasks = om.load_tasks("game24", "train", limit=9)
+    return [r for policy, some in (("scripted:oracle:p=0.4", tasks[:6]), ("scripted:random", tasks[6:]))
+            for r in om.search_many(some, strategy="mcts:simulations=60,k=3,solver=true", policy=policy, seed=0)]
+
+
+def test_qgap_pairs_are_siblings_whose_q_values_differ_by_the_margin(mcts_results):
+    """rStar-style pairs from MCTS trees: Q (visit-weighted mean return, solver-proven ends exact)
+    of the chosen sibling at least `margin` above the rejected one's, each proven or visited
+    `min_visits` times; every such pair of a branch point is found (up to max_pairs)."""
+    from omrl_search.export_common import q_values
+
+    rows = dpo_rows(mcts_results, pairs="qgap", margin=0.3, min_visits=2, max_pairs=100)
+    assert rows
+    seen: dict[tuple[str, int], int] = {}
+    unproven = 0
+    for row in rows:
+        tree, parent, chosen, rejected = _pair_nodes(mcts_results, row)
+        q = q_values(tree)
+        assert chosen.step.context_ids == rejected.step.context_ids
+        assert row["chosen_value"] == q[chosen.id][0] and row["rejected_value"] == q[rejected.id][0]
+        assert q[chosen.id][0] - q[rejected.id][0] >= 0.3
+        for k in (chosen, rejected):
+            assert q[k.id][1] or k.visits >= 2
+        seen[(row["task_id"], parent.id)] = seen.get((row["task_id"], parent.id), 0) + 1
+        unproven += not (q[chosen.id][1] and q[rejected.id][1])
+    assert unproven  # the visit rule is exercised, not only solver-proven ends
+    for res in mcts_results:  # completeness, counted independently
+        q = q_values(res.tree)
+        for node in res.tree.nodes:
+            kids = [res.tree.nodes[c] for c in node.children
+                    if res.tree.nodes[c].status not in ("failed", "pruned") and c in q
+                    and (q[c][1] or res.tree.nodes[c].visits >= 2)]
+            want = sum(1 for a in kids for b in kids if q[a.id][0] - q[b.id][0] >= 0.3
+                       and a.step.completion != b.step.completion)
+            assert seen.get((res.task.task_id, node.id), 0) == want
+    # with no visit count enough, only solver-proven siblings pair; a wider margin keeps fewer
+    for row in dpo_rows(mcts_results, pairs="qgap", margin=0.3, min_visits=10**6, max_pairs=100):
+        tree, _, chosen, rejected = _pair_nodes(mcts_results, row)
+        assert q_values(tree)[chosen.id][1] and q_values(tree)[rejected.id][1]
+    loose = dpo_rows(mcts_results, pairs="qgap", margin=0.0, min_visits=1, max_pairs=100)
+    assert len(loose) > len(rows) >= len(dpo_rows(mcts_results, pairs="qgap", margin=0.99, max_pairs=100))
+    with pytest.raises(ExportError, match="min_visits must be an integer >= 1"):
+        dpo_rows(mcts_results, pairs="qgap", min_visits=0)
+
+
+def test_q_values_mark_proven_wins_and_losses(mcts_results):
+    from omrl_search.export_common import q_values
+
+    for res in mcts_results:
+        q = q_values(res.tree)
+        for n in res.tree.nodes[1:]:
+            if n.terminal:
+                assert q[n.id] == (float(n.success), True)
+            elif any(t.success for t in res.tree.terminals() if n.id in {p.id for p in res.tree.path(t)}):
+                assert q[n.id] == (1.0, True)
+            elif n.visits:
+                assert q[n.id] == (min(max(n.value_sum / n.visits, 0.0), 1.0), False)
