@@ -20,7 +20,7 @@ from .agent import TurnEncoder
 from .export_common import ExportError, Renderer, env_reward, outcome, segments_from_messages
 from .result import SearchResult
 from .textfile import read_utf8
-from .tree import Node, SearchTree
+from .tree import Node, SearchTree, dedup_key
 
 
 def _row(r: Renderer, tree: SearchTree, path: list[Node], mask_invalid: bool) -> dict[str, Any]:
@@ -33,11 +33,13 @@ def _row(r: Renderer, tree: SearchTree, path: list[Node], mask_invalid: bool) ->
 
 def _distinct(paths: Iterable[tuple[SearchTree, list[Node]]], by: str, limit: int
               ) -> Iterator[tuple[SearchTree, list[Node]]]:
-    """The first ``limit`` (at least one) of ``paths`` whose steps' ``by`` field (``completion``
-    or ``action``) differ, in order; ``paths`` is consumed lazily."""
+    """The first ``limit`` (at least one) of ``paths`` that differ in their steps' ``by`` field
+    (``completion`` or ``action``) or, with ``by="state"``, in the states they pass through (the
+    nodes' dedup keys: two orders of the same moves, or two spellings of one action, reach the
+    same states and are one path), in order; ``paths`` is consumed lazily."""
     seen: set[tuple[str, ...]] = set()
     for tree, path in paths:
-        key = tuple(getattr(n.step, by) for n in path[1:])
+        key = tuple(dedup_key(n) if by == "state" else getattr(n.step, by) for n in path[1:])
         if key in seen:
             continue
         seen.add(key)
@@ -64,12 +66,16 @@ def sft_rows(results: Iterable[SearchResult], *, top_k: int = 1, include_failure
 
 
 def rs_sft_rows(results: Iterable[SearchResult], *, cap: int = 4, tokenizer: TurnEncoder | None = None,
-                mask_invalid: bool = True) -> list[dict[str, Any]]:
-    """Rejection-sampling SFT: the successful trajectories of every task over all ``results``,
-    deduplicated by action sequence, at most ``cap`` per task (fewer steps first, then in the
-    order the results and their trees hold them). Rows are grouped by task in first-seen order."""
+                mask_invalid: bool = True, dedup: str = "state") -> list[dict[str, Any]]:
+    """Rejection-sampling SFT: the successful trajectories of every task over all ``results``
+    (e.g. several rounds' trees), deduplicated by the states they pass through (``dedup="state"``,
+    the default) or by action sequence (``"action"``), at most ``cap`` per task (fewer steps
+    first, then in the order the results and their trees hold them). Rows are grouped by task
+    in first-seen order."""
     if cap < 1:
         raise ExportError(f"rs-sft: cap must be >= 1, got {cap}")
+    if dedup not in ("state", "action"):
+        raise ExportError(f"rs-sft: dedup must be state or action, got {dedup!r}")
     r = Renderer(tokenizer)
     per_task: dict[tuple[str, str], list[tuple[int, int, int, SearchTree, list[Node]]]] = {}
     for i, res in enumerate(results):
@@ -82,7 +88,7 @@ def rs_sft_rows(results: Iterable[SearchResult], *, cap: int = 4, tokenizer: Tur
     for found in per_task.values():
         found.sort(key=lambda f: f[:3])
         paths = ((tree, path) for *_, tree, path in found)
-        rows += [_row(r, t, p, mask_invalid) for t, p in _distinct(paths, "action", cap)]
+        rows += [_row(r, t, p, mask_invalid) for t, p in _distinct(paths, dedup, cap)]
     return rows
 
 

@@ -152,7 +152,7 @@ def test_rs_sft_keeps_distinct_successes_per_task_up_to_the_cap(results, beam_re
     """Successes only, one row per distinct action sequence per task across all results (two
     searches of the same tasks), at most ``cap`` per task, fewer steps first."""
     both = list(results) + list(beam_results)
-    rows = rs_sft_rows(both, cap=2)
+    rows = rs_sft_rows(both, cap=2, dedup="action")
     assert rows and all(r["success"] for r in rows)
     per_task = {}
     for r in rows:
@@ -170,12 +170,43 @@ def test_rs_sft_keeps_distinct_successes_per_task_up_to_the_cap(results, beam_re
                     tuple(n.step.action for n in res.tree.path(leaf)[1:]))
     assert {t: len(v) for t, v in per_task.items()} == {t: min(2, len(v)) for t, v in distinct.items()}
     assert any(len(v) > 2 for v in distinct.values())  # the cap did cut
-    wide = rs_sft_rows(both, cap=100)
+    wide = rs_sft_rows(both, cap=100, dedup="action")
     assert len(wide) == sum(len(v) for v in distinct.values())
     # the same action sequence with other thoughts is one row (sft's completion dedup keeps both)
     assert len(wide) < len(sft_rows(both, top_k=100))
     with pytest.raises(ExportError, match="cap"):
         rs_sft_rows(both, cap=0)
+
+
+def test_rs_sft_dedups_by_the_states_a_success_passes_through(results, beam_results):
+    """The default: two successes through the same states (the same moves in another order or
+    spelling) are one row; the count is that of distinct state paths per task."""
+    from omrl_search.tree import dedup_key
+
+    both = list(results) + list(beam_results)
+    states: dict[str, set] = {}
+    for res in both:
+        for leaf in res.tree.terminals():
+            if leaf.success:
+                states.setdefault(res.task.task_id, set()).add(
+                    tuple(dedup_key(n) for n in res.tree.path(leaf)[1:]))
+    rows = rs_sft_rows(both, cap=100)
+    assert len(rows) == sum(len(v) for v in states.values())
+    # the same success spelled otherwise (each move's operands swapped): one more action
+    # sequence, the same states
+    import copy
+
+    solved = next(r for r in results if r.success)
+    other = copy.deepcopy(solved)
+    path = other.tree.path(other.tree.nodes[other.best])
+    for n in path[1:]:
+        a, op, b = n.step.action.split(" ", 2)
+        n.step.action = f"{b} {op} {a}"
+    pair = [solved, other]
+    assert len(rs_sft_rows(pair, cap=100, dedup="action")) == len(rs_sft_rows([solved], cap=100)) + 1
+    assert len(rs_sft_rows(pair, cap=100)) == len(rs_sft_rows([solved], cap=100))
+    with pytest.raises(ExportError, match="dedup must be state or action"):
+        rs_sft_rows(both, dedup="completion")
 
 
 def test_rs_sft_export_writes_sft_rows(results_file, tmp_path):

@@ -283,3 +283,32 @@ def test_online_grpo_samples_the_chosen_levels_and_never_a_dev_puzzle(tiny_agent
     assert len(sampled) == 4 and {t.task_id for t in sampled} <= {t.task_id for t in tasks}
     assert "rollout_rows" in (d / "model" / "metrics.jsonl").read_text()
     assert train_stage(cfg, 3, "grpo", tiny_agent_model, sets, {"chosen": []})(tmp_path / "x")["skipped"]
+
+
+@pytest.mark.parametrize("history, rounds", [(None, [1, 2, 3]), (1, [2, 3]), (0, [3])])
+def test_rs_sft_mixes_the_earlier_rounds_successes_deduplicated(tmp_path, history, rounds):
+    """Round r's RS-SFT data: the successes of round r's search and of the `rs_history` rounds
+    before it, deduplicated together by state path (a task solved the same way twice is one
+    row), so the policy keeps what it solved before."""
+    import pandas as pd
+
+    import omrl_search as om
+    from train.loop import LoopConfig
+    from train.loop_stages import data_stage, search_files
+
+    cfg = LoopConfig(env="game24", policy="scripted:oracle", out=str(tmp_path), rs_cap=100, rs_history=history)
+    tasks = om.load_tasks("game24", "train", limit=6)
+    per_round = {1: tasks[:2], 2: tasks[1:3], 3: tasks[3:5]}  # task 1 in rounds 1 and 2
+    for r, some in per_round.items():
+        d = search_files(cfg, r)[0].parent
+        d.mkdir(parents=True)
+        om.write_results(d / "results.jsonl", om.search_many(some, strategy="best_of_n:n=2",
+                                                             policy="scripted:oracle:p=0", seed=r))
+    out = tmp_path / "round_3" / "data"
+    out.mkdir(parents=True)
+    info = data_stage(cfg, 3)(out)
+    assert info["rows"]["rs_sft_rounds"] == rounds
+    got = pd.read_parquet(out / "rs_sft.parquet")
+    # the oracle at p=0 solves each task one way: one row per task seen in the rounds mixed
+    seen = {t.task_id for r in rounds for t in per_round[r]}
+    assert sorted(got["task_id"]) == sorted(seen) and info["rows"]["rs_sft"] == len(seen)

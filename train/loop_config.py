@@ -58,6 +58,10 @@ class LoopConfig(BaseModel):
     # per-round trainers (round r runs schedule[r-1], the last entry repeating); replaces first/then
     schedule: list[list[str]] | None = None
     rs_cap: int = Field(2, ge=1)  # rs_sft: distinct successful trajectories kept per task
+    # rs_sft: the successes of this round's search and of the rounds before it (None: all of
+    # them; 0: this round's alone), deduplicated together by the states they pass through, so
+    # the policy keeps training on what it solved before instead of forgetting it
+    rs_history: int | None = Field(None, ge=0)
     trainer_settings: dict[str, dict[str, Any]] = Field(default_factory=lambda: {
         "sft": {"max_steps": 100, "lr": 5e-5, "batch_size": 4},
         "rs_sft": {"max_steps": 40, "lr": 2e-5, "batch_size": 4},
