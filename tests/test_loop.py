@@ -68,6 +68,25 @@ def test_killed_loop_resumes_to_the_unbroken_result(tiny_agent_model, tmp_path):
     assert "Reliability of round 1's PRM" in report
     # the host and the policy's dtype the figures were taken in (an hf model: float32 or bf16)
     assert "host: " in report and ("dtype: float32" in report or "dtype: bfloat16" in report)
+    # the results file a reader checks the run by (issue 38's fields), valid by its schema
+    import jsonschema
+
+    from train.loop_report import RESULTS_SCHEMA
+
+    results = json.loads((whole / "results.json").read_text())
+    jsonschema.validate(results, RESULTS_SCHEMA)
+    for broken_record in ({**results, "rounds": []}, {k: v for k, v in results.items() if k != "git"},
+                          {**results, "rounds": [{**results["rounds"][0], "heldout": {"tasks": 0}}]}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(broken_record, RESULTS_SCHEMA)
+    assert [r["round"] for r in results["rounds"]] == [0, 1] and results["env"] == "game24"
+    assert results["host"]["dtype"] in ("float32", "bfloat16") and results["hours"] > 0
+    assert results["rounds"][0]["vs_previous"] is None and results["rounds"][1]["vs_previous"] is not None
+    search = json.loads((whole / "round_1/search/stage.json").read_text())["search"]
+    assert results["rounds"][1]["train_search"]["successes"] == search["successes"]
+    eval1 = json.loads((whole / "round_1/eval/stage.json").read_text())["rows"]
+    name, budget = results["heldout_strategy"].split("@")
+    assert results["rounds"][1]["heldout"]["successes"] == eval1[name][budget]["successes"]
 
     broken = tmp_path / "broken"
     proc = subprocess.Popen(_cmd(_argv(tiny_agent_model, broken)), env=env, cwd=ROOT,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import sys
 import time
@@ -118,7 +119,7 @@ class Track:
 
 def run_loop(cfg: LoopConfig) -> dict[str, Any]:
     """Run (or finish) every round; returns the per-round test success table."""
-    from .loop_report import round_report  # scipy: loaded when a loop runs, not by `omrl --help`
+    from .loop_report import results_record, round_report  # scipy: loaded when a loop runs
 
     cfg.check()
     check_out_path(cfg.out, "out")  # also when it came from the YAML or --set, before any work
@@ -158,9 +159,33 @@ def run_loop(cfg: LoopConfig) -> dict[str, Any]:
         write_text_atomic(run.root / f"round_{r}" / "report.md", text)
         write_text_atomic(run.root / "report.md", text)
         _write_json(run.root / f"round_{r}" / "loop_summary.json", _summary(info, best))
+        _write_json(run.root / "results.json", results_record(
+            cfg, history, command=shlex.join(["omrl", *sys.argv[1:]]), git=git_commit(),
+            hours=stage_seconds(history) / 3600))
     best = {k: v for k, v in track.best.items() if k != "dev"}
     _write_json(run.root / "best.json", {**best, "current": track.current})
     return {h["round"]: h["eval"]["success"] for h in history}
+
+
+def git_commit() -> str | None:
+    """The commit of the code that ran (None outside a git checkout)."""
+    import subprocess
+
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
+def stage_seconds(history: list[dict[str, Any]]) -> float:
+    """The seconds the recorded stages took (``Run.stage`` puts ``seconds`` in each)."""
+    infos = []
+    for h in history:
+        infos += [v for k, v in h.items() if k not in ("round", "policy", "stages")]
+        infos += [s[k] for s in h.get("stages", []) for k in ("train", "dev")]
+    return float(sum(i.get("seconds", 0.0) for i in infos if isinstance(i, dict)))
 
 
 def _summary(info: dict[str, Any], best: dict[str, Any]) -> dict[str, Any]:

@@ -135,3 +135,60 @@ def round_report(cfg: Any, history: list[dict[str, Any]], best: dict[str, Any]) 
     if len(history) > 1:
         lines += round_table(history) + prm_table(history)
     return "\n".join(lines).rstrip() + "\n"
+
+
+# --- the results file: what a reader checks a measured loop by ---------------------------------------
+_RATE = {"type": "object", "required": ["tasks", "successes", "ci_low", "ci_high"],
+         "properties": {"tasks": {"type": "integer", "minimum": 1}, "successes": {"type": "integer", "minimum": 0},
+                        "ci_low": {"type": "number"}, "ci_high": {"type": "number"}}}
+#: JSON Schema of ``OUT/results.json`` (benchmarks/results/loop-*.json are copies of it)
+RESULTS_SCHEMA = {
+    "type": "object",
+    "required": ["env", "command", "git", "host", "hours", "heldout_strategy", "rounds", "search_on_best"],
+    "properties": {
+        "env": {"type": "string"}, "command": {"type": "string"}, "git": {"type": ["string", "null"]},
+        "host": {"type": "object", "required": ["cpu", "bf16_native", "dtype"]},
+        "hours": {"type": "number", "minimum": 0}, "heldout_strategy": {"type": "string"},
+        "rounds": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["round", "policy", "heldout", "vs_previous", "train_search"],
+            "properties": {
+                "round": {"type": "integer", "minimum": 0}, "policy": {"type": "string"}, "heldout": _RATE,
+                "vs_previous": {"type": ["object", "null"], "required": ["b_only", "a_only", "p_value"]},
+                "train_search": {"type": ["object", "null"], "required": ["tasks", "successes", "rows"]}}}},
+        "search_on_best": {"type": ["object", "null"], "required": ["strategy", "tasks", "successes",
+                                                                    "tokens_per_task", "ci_low", "ci_high"]}}}
+
+
+def results_record(cfg: Any, history: list[dict[str, Any]], *, command: str, git: str | None,
+                   hours: float, search_on_best: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``OUT/results.json``: per round the kept policy's held-out success on the first eval
+    strategy and budget (greedy by default) with its Wilson interval, against the round before
+    on the same tasks (exact McNemar), and the round's train-split search (tasks, successes,
+    rows per export); ``search_on_best`` is the separate search on the kept checkpoint when one
+    was run (None otherwise). Schema: :data:`RESULTS_SCHEMA`."""
+    from omrl_search.stats import mcnemar
+
+    name = cfg.eval_strategies.split(",")[0].split(":")[0].strip()
+    budget = next(iter(history[0]["eval"]["rows"][name]))
+    outs = {h["round"]: bench_outcomes(Path(cfg.out) / f"round_{h['round']}" / "eval") for h in history}
+    last = history[-1]["eval"]
+    rounds = []
+    for h in history:
+        r, row = h["round"], h["eval"]["rows"][name][budget]
+        before, now = outs.get(r - 1, {}).get(name, {}).get(budget), outs[r].get(name, {}).get(budget)
+        vs = None
+        if r > 0 and before and now:
+            test = mcnemar(before, now)
+            vs = {k: test[k] for k in ("b_only", "a_only", "p_value")}
+        search = None
+        if r > 0:
+            s = h["search"]["search"]
+            search = {"tasks": s["tasks"], "successes": s["successes"],
+                      "rows": {k: v for k, v in h["data"]["rows"].items() if isinstance(v, int)}}
+        rounds.append({"round": r, "policy": h.get("policy") or h["eval"].get("policy") or cfg.policy,
+                       "heldout": {k: row[k] for k in ("tasks", "successes", "ci_low", "ci_high")},
+                       "vs_previous": vs, "train_search": search})
+    host = dict(last.get("host") or {})
+    host["dtype"] = last.get("dtype")
+    return {"env": cfg.env, "command": command, "git": git, "host": host, "hours": round(hours, 3),
+            "heldout_strategy": f"{name}@{budget}", "rounds": rounds, "search_on_best": search_on_best}
