@@ -20,7 +20,8 @@ game24; the last two in the generic ``id`` dialect that AgentGym's TextCraft cli
 * **our RemoteEnv -> their servers**: on BabyAI, greedy ReAct with ``scripted:oracle`` over our
   babyai test tasks of the two levels both sides have (identity-matched by level and seed); on
   SciWorld, the gold path of our sciworld test tasks played step by step through ``RemoteEnv``;
-  on TextCraft, a reset by index and two steps (no policy of ours plays it).
+  on TextCraft, tasks by index played by a plan built from the recipes the first observation
+  lists (``craft_plan``).
 
 Prints a table, then as its last line one JSON object.
 """
@@ -28,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import socket
 import subprocess
 import sys
@@ -165,21 +168,52 @@ def sciworld_remote(url: str, limit: int) -> dict:
     return {"tasks": len(rows), "successes": sum(r.get("success", False) for r in rows), "rows": rows}
 
 
-def textcraft_remote(url: str) -> dict:
+def craft_plan(observation: str) -> list[str]:
+    """A TextCraft plan from the crafting commands its first observation lists: each
+    ingredient with a recipe crafted first (recursively), the others fetched with ``get``."""
+    recipes = {}
+    for m in re.finditer(r"craft (\d+) (.+?) using (.+)", observation):
+        recipes[m.group(2).strip()] = (int(m.group(1)), [(int(c), n.strip())
+                                                         for c, n in re.findall(r"(\d+) ([^,]+)", m.group(3))])
+    goal = re.search(r"Goal: craft (.+?)\.", observation)
+    plan: list[str] = []
+
+    def make(count: int, item: str, depth: int = 0) -> None:
+        if item not in recipes or depth > 8:
+            plan.append(f"get {count} {item}")
+            return
+        made, parts = recipes[item]
+        for _ in range(math.ceil(count / made)):
+            for c, part in parts:
+                make(c, part, depth + 1)
+            plan.append(f"craft {made} {item} using " + ", ".join(f"{c} {p}" for c, p in parts))
+
+    if goal:
+        make(1, goal.group(1).strip())
+    return plan
+
+
+def textcraft_remote(url: str, episodes: int) -> dict:
+    """Their TextCraft tasks by index through RemoteEnv, played by :func:`craft_plan`."""
     from envs.remote import agentgym_tasks, remote_factory
 
     factory = remote_factory(f"agentgym+{url}", None)
     rows = []
-    for task in agentgym_tasks("textcraft", range(3)):
+    for task in agentgym_tasks("textcraft", range(episodes)):
         env = factory("textcraft")
         try:
-            first = env.reset(task)
-            res = env.step("inventory")
-            rows.append({"idx": task.data["data_idx"], "goal_in_first": "Goal" in first or "craft" in first,
-                         "inventory": res.observation[:80], "done": res.done})
+            res = None
+            for action in craft_plan(env.reset(task)):
+                res = env.step(action)
+                if res.done:
+                    break
+            info = res.info if res else {}
+            rows.append({"idx": task.data["data_idx"],
+                         "success_env": info.get("success_env"), "success_agentgym": info.get("success_agentgym")})
         finally:
             env.close()
-    return {"episodes": len(rows), "rows": rows}
+    return {"episodes": len(rows), "successes_env_rule": sum(bool(r["success_env"]) for r in rows),
+            "successes_agentgym_rule": sum(bool(r["success_agentgym"]) for r in rows), "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         report["their_clients_on_our_servers"] = their_clients(args.python, ours, args.episodes)
         report["remote_env_on_their_babyai"] = babyai_remote(theirs["BabyAI"])
         report["remote_env_on_their_sciworld"] = sciworld_remote(theirs["SciWorld"], args.sciworld_tasks)
-        report["remote_env_on_their_textcraft"] = textcraft_remote(theirs["TextCraft"])
+        report["remote_env_on_their_textcraft"] = textcraft_remote(theirs["TextCraft"], args.episodes)
     clients = report["their_clients_on_our_servers"]
     for name, rows in clients.items():
         if isinstance(rows, list):
@@ -219,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{b['successes_agentgym_rule']}/{b['tasks']} by AgentGym's")
     s = report["remote_env_on_their_sciworld"]
     print(f"RemoteEnv on their SciWorld (gold paths): {s['successes']}/{s['tasks']}")
+    t = report["remote_env_on_their_textcraft"]
+    print(f"RemoteEnv on their TextCraft (a plan from the listed recipes): {t['successes_env_rule']}/"
+          f"{t['episodes']} by TextCraft's rule, {t['successes_agentgym_rule']}/{t['episodes']} by AgentGym's")
     print(json.dumps(report))
     return 0
 
