@@ -393,11 +393,7 @@ class EnvPool:
             if slot.task is None or slot.done:
                 raise ApiError(409, f"env {idx} has no episode under way: POST /reset first")
             env = slot.env
-
-            def work():
-                return env.observe(), keys(env)
-
-            obs, key = self._timed("observe", deadline, work, idx=idx, slot=slot)
+            obs, key = self._timed("observe", deadline, lambda: (env.observe(), keys(env)), idx=idx, slot=slot)
             return {"observation": obs, "reward": 0.0, "score": slot.score, "done": False,
                     "terminated": False, "truncated": False, "success": False, "valid": True,
                     "info": {}, **key}
