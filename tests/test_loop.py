@@ -331,3 +331,27 @@ def test_rs_sft_mixes_the_earlier_rounds_successes_deduplicated(tmp_path, histor
     # the oracle at p=0 solves each task one way: one row per task seen in the rounds mixed
     seen = {t.task_id for r in rounds for t in per_round[r]}
     assert sorted(got["task_id"]) == sorted(seen) and info["rows"]["rs_sft"] == len(seen)
+
+
+def test_the_rounds_dpo_pairs_follow_dpo_pairs(tmp_path):
+    """`dpo_pairs: qgap` makes the round's DPO data the Q-gap pairs of its MCTS trees (with
+    `dpo_margin` and `dpo_min_visits`), not the default branch-point pairs."""
+    import omrl_search as om
+    from omrl_search.exports import dpo_rows
+    from train.loop import LoopConfig
+    from train.loop_stages import data_stage, search_files
+
+    tasks = om.load_tasks("game24", "train", limit=6)
+    results = [r for policy, some in (("scripted:oracle:p=0.4", tasks[:3]), ("scripted:random", tasks[3:]))
+               for r in om.search_many(some, strategy="mcts:simulations=60,k=3,solver=true", policy=policy, seed=0)]
+    counts = {}
+    for pairs in ("branch", "qgap"):
+        cfg = LoopConfig(env="game24", policy="scripted:oracle", out=str(tmp_path / pairs), dpo_pairs=pairs,
+                         dpo_margin=0.3, dpo_min_visits=2)
+        d = search_files(cfg, 1)[0].parent
+        d.mkdir(parents=True)
+        om.write_results(d / "results.jsonl", results)
+        (d.parent / "data").mkdir()
+        counts[pairs] = data_stage(cfg, 1)(d.parent / "data")["rows"]["dpo"]
+        assert counts[pairs] == len(dpo_rows(results, pairs=pairs, margin=0.3, min_visits=2))
+    assert counts["branch"] != counts["qgap"]

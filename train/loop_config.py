@@ -6,7 +6,7 @@ driver (:mod:`train.loop`) all depend on the settings, and the settings on none 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -62,6 +62,12 @@ class LoopConfig(BaseModel):
     # them; 0: this round's alone), deduplicated together by the states they pass through, so
     # the policy keeps training on what it solved before instead of forgetting it
     rs_history: int | None = Field(None, ge=0)
+    # dpo: which siblings pair (omrl export dpo --pairs): branch (the chosen leads to success,
+    # the rejected not), qgap (MCTS Q values differ by >= dpo_margin, each proven or visited
+    # dpo_min_visits times) or value
+    dpo_pairs: Literal["branch", "qgap", "value"] = "branch"
+    dpo_margin: float = Field(0.5, ge=0, allow_inf_nan=False)
+    dpo_min_visits: int = Field(2, ge=1)
     trainer_settings: dict[str, dict[str, Any]] = Field(default_factory=lambda: {
         "sft": {"max_steps": 100, "lr": 5e-5, "batch_size": 4},
         "rs_sft": {"max_steps": 40, "lr": 2e-5, "batch_size": 4},

@@ -181,6 +181,8 @@ def data_stage(cfg: "LoopConfig", r: int):
             # per task; dpo/grpo: the search's trees
             files = sources if kind == "sft" else rs_sources(cfg, r) if kind == "rs_sft" else sources[:1]
             what, opts = ("rs-sft", {"cap": cfg.rs_cap}) if kind == "rs_sft" else (kind, {})
+            if kind == "dpo":
+                opts = {"pairs": cfg.dpo_pairs, "margin": cfg.dpo_margin, "min_visits": cfg.dpo_min_visits}
             try:
                 _, rows[kind] = export(what, files, d / f"{kind}.parquet", tokenizer=tok, **opts)
             except ExportError as exc:
