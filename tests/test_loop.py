@@ -88,6 +88,9 @@ def test_killed_loop_resumes_to_the_unbroken_result(tiny_agent_model, tmp_path):
     name, budget = results["heldout_strategy"].split("@")
     assert results["rounds"][1]["heldout"]["successes"] == eval1[name][budget]["successes"]
 
+    for png in ("learning_curve.png", "tokens_per_solved.png"):  # the report's two curves
+        assert (whole / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
     broken = tmp_path / "broken"
     proc = subprocess.Popen(_cmd(_argv(tiny_agent_model, broken)), env=env, cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -355,3 +358,17 @@ def test_the_rounds_dpo_pairs_follow_dpo_pairs(tmp_path):
         counts[pairs] = data_stage(cfg, 1)(d.parent / "data")["rows"]["dpo"]
         assert counts[pairs] == len(dpo_rows(results, pairs=pairs, margin=0.3, min_visits=2))
     assert counts["branch"] != counts["qgap"]
+
+
+def test_curve_points_are_each_rounds_success_and_tokens_per_solved_task():
+    from train.loop_report import curve_points
+
+    def row(successes, tokens):
+        return {"tasks": 10, "successes": successes, "success_rate": successes / 10, "ci_low": 0.0,
+                "ci_high": 1.0, "prompt_tokens": tokens - 100, "completion_tokens": 100}
+
+    history = [{"round": r, "eval": {"rows": {"react": {"tokens=2000": row(s, t)}}}}
+               for r, (s, t) in enumerate([(0, 5000), (2, 6000), (4, 6000)])]
+    pts = curve_points(history)["react@tokens=2000"]
+    assert [p["round"] for p in pts] == [0, 1, 2] and [p["success_rate"] for p in pts] == [0.0, 0.2, 0.4]
+    assert [p["tokens_per_solved"] for p in pts] == [None, 3000, 1500]

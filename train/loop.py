@@ -119,7 +119,7 @@ class Track:
 
 def run_loop(cfg: LoopConfig) -> dict[str, Any]:
     """Run (or finish) every round; returns the per-round test success table."""
-    from .loop_report import results_record, round_report  # scipy: loaded when a loop runs
+    from .loop_report import plot_curves, results_record, round_report  # scipy: when a loop runs
 
     cfg.check()
     check_out_path(cfg.out, "out")  # also when it came from the YAML or --set, before any work
@@ -155,6 +155,7 @@ def run_loop(cfg: LoopConfig) -> dict[str, Any]:
         info["eval"] = run.stage(f"round_{r}/eval", st.eval_stage(cfg, sets, track.current, prm))
         history.append(info)
         best = {k: v for k, v in track.best.items() if k != "dev"}
+        plot_curves(history, run.root)  # learning_curve.png, tokens_per_solved.png (report.md shows them)
         text = round_report(cfg, history, best)
         write_text_atomic(run.root / f"round_{r}" / "report.md", text)
         write_text_atomic(run.root / "report.md", text)

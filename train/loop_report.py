@@ -131,6 +131,7 @@ def round_report(cfg: Any, history: list[dict[str, Any]], best: dict[str, Any]) 
     if last.get("host"):  # every figure below was taken on this host, in this dtype
         lines += [describe(last["host"], last.get("dtype")), ""]
     lines += test_tables(cfg, history) + [""]
+    lines += ["![held-out success per round](learning_curve.png) ![tokens per solved task](tokens_per_solved.png)", ""]
     lines += keep_table(cfg, history, best)
     if len(history) > 1:
         lines += round_table(history) + prm_table(history)
@@ -192,3 +193,55 @@ def results_record(cfg: Any, history: list[dict[str, Any]], *, command: str, git
     host["dtype"] = last.get("dtype")
     return {"env": cfg.env, "command": command, "git": git, "host": host, "hours": round(hours, 3),
             "heldout_strategy": f"{name}@{budget}", "rounds": rounds, "search_on_best": search_on_best}
+
+
+# --- learning curves ----------------------------------------------------------------------------------
+def curve_points(history: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Per eval ``strategy@budget``, one point per round: held-out success with its Wilson
+    interval and the tokens spent per solved task (prompt + completion over successes; None
+    when nothing was solved)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for h in history:
+        for name, per in h["eval"]["rows"].items():
+            for budget, row in per.items():
+                solved = row["successes"]
+                tokens = row.get("prompt_tokens", 0) + row.get("completion_tokens", 0)
+                out.setdefault(f"{name}@{budget}", []).append({
+                    "round": h["round"], "success_rate": row["success_rate"], "ci_low": row["ci_low"],
+                    "ci_high": row["ci_high"], "tokens_per_solved": round(tokens / solved) if solved else None})
+    return out
+
+
+def plot_curves(history: list[dict[str, Any]], folder: Path) -> list[Path]:
+    """``learning_curve.png`` (held-out success per round, Wilson 95% intervals) and
+    ``tokens_per_solved.png`` (tokens per solved task per round), one line per eval strategy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points, paths = curve_points(history), []
+    for name, ylabel in (("learning_curve.png", "held-out success (95% interval)"),
+                         ("tokens_per_solved.png", "tokens per solved task")):
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        for i, (label, pts) in enumerate(points.items()):
+            if name == "learning_curve.png":
+                ax.errorbar([p["round"] for p in pts], [p["success_rate"] for p in pts],
+                            yerr=[[p["success_rate"] - p["ci_low"] for p in pts],
+                                  [p["ci_high"] - p["success_rate"] for p in pts]],
+                            marker="osv^DPX*"[i % 8], capsize=3, label=label)
+            else:
+                kept = [p for p in pts if p["tokens_per_solved"] is not None]
+                ax.plot([p["round"] for p in kept], [p["tokens_per_solved"] for p in kept],
+                        marker="osv^DPX*"[i % 8], label=label)
+        ax.set_xlabel("round (0: the base policy)")
+        ax.set_ylabel(ylabel)
+        ax.set_xticks([h["round"] for h in history])
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = folder / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
