@@ -9,9 +9,10 @@ env what is served and how it was checked.
   as; :func:`worded` gives a reset answer the observation and fields that env's AgentGym client
   reads; :func:`scorer` the episode score on that env's AgentGym scale.
 * Client side (:mod:`envs.remote`): :func:`identify` tells from a server's ``GET /`` which
-  AgentGym env it serves; the :class:`Profile` of that env decides success (by the env's
-  own rule or by AgentGym's evaluation), normalises observations for state keys, lists the actions the server names,
-  finds the server's index of a local task and checks that the server started that task.
+  AgentGym env it serves; the :class:`Profile` of that env decides success (by the env's own
+  rule or by AgentGym's evaluation), normalises observations for state keys, lists the actions
+  the server names, finds the server's index of a local task and checks that the server started
+  that task.
 """
 from __future__ import annotations
 
@@ -36,9 +37,9 @@ BABYAI_LEVELS = tuple(f"BabyAI-{name}-v0" for name in (
 #: ScienceWorld task ids AgentGym's SciWorld server leaves out of its index
 SCIWORLD_SKIPPED = frozenset({"5-1", "5-2", "9-1", "9-2", "9-3", "10-1", "10-2"})
 GOAL = "Your goal: "  # how AgentGym's BabyAI server puts the mission into the first observation
-OMRL_HELLO = "(omrl env serve: see /info)"
+OMRL_HELLO = "(omrl env serve: see /info)"  # what tells our server's GET / from AgentGym's
 #: how an AgentGym episode's success can be decided: the env's own rule, or AgentGym's evaluation
-SUCCESS_RULES = ("env", "agentgym")  # what tells our server's GET / from AgentGym's
+SUCCESS_RULES = ("env", "agentgym")
 
 
 # --- server side ---------------------------------------------------------------------------

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
+import signal
 import tempfile
 import threading
+import time
+import weakref
 from typing import Any
 
 from omrl_search.cache import cache_root
@@ -31,36 +33,69 @@ _JVM_LOCK = threading.Lock()
 def start_jvm() -> Any:
     """A ``ScienceWorldEnv`` in a new JVM, its heap capped by :data:`JAVA_OPTS` (or
     ``$OMRL_SCIWORLD_JAVA_OPTS``; a ``JAVA_TOOL_OPTIONS`` of your own wins): uncapped, one JVM
-    grew to 1.7 GB here, and a search holds one per tree plus one in a scripted policy."""
+    grew to 1.7 GB here, and a search holds one per tree plus one in a scripted policy. The
+    JVM's process id is noted (the Java child this start added) for :func:`stop_jvm`."""
     cls = require("scienceworld", "sciworld").ScienceWorldEnv
     with _JVM_LOCK:  # JAVA_TOOL_OPTIONS reaches only the JVM started here
         own = "JAVA_TOOL_OPTIONS" in os.environ
         if not own:
             os.environ["JAVA_TOOL_OPTIONS"] = os.environ.get("OMRL_SCIWORLD_JAVA_OPTS", JAVA_OPTS)
+        before = java_children()
         try:
-            return cls("")
+            sw = cls("")
         except OSError as exc:
             raise EnvError(f"cannot start ScienceWorld's JVM ({exc}): it needs Java 11+ on PATH") from None
         finally:
             if not own:
                 os.environ.pop("JAVA_TOOL_OPTIONS", None)
+        new = java_children() - before
+        if len(new) == 1:
+            _JVM_PIDS[sw] = new.pop()
+        return sw
+
+
+#: the JVM process of each env :func:`start_jvm` made (ScienceWorld keeps no public handle on it)
+_JVM_PIDS: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+
+
+def java_children() -> set[int]:
+    """The ids of this process's child processes that run Java (read from /proc; none where
+    there is no /proc)."""
+    me, out = os.getpid(), set()
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return out
+    for name in filter(str.isdigit, names):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                comm, rest = f.read().rsplit(")", 1)
+        except OSError:  # gone meanwhile
+            continue
+        if int(rest.split()[1]) == me and comm.endswith("(java"):
+            out.add(int(name))
+    return out
 
 
 def stop_jvm(sw: Any, wait: float = 10.0) -> None:
     """Close ``sw`` (a :func:`start_jvm` env) and reap its JVM. ScienceWorld's own ``close``
-    only asks the JVM to exit and never waits for it, so each closed env left a zombie process
-    until ours exited (and after, where PID 1 does not reap). The JVM is the ``java_process`` of
-    ScienceWorld's py4j gateway; one that has not exited within ``wait`` seconds is killed."""
+    only asks the JVM to exit and never waits for it, so a process that stopped with envs open
+    left each JVM to exit after it, an orphan zombie until PID 1 reaps it. A JVM that has not
+    exited within ``wait`` seconds is killed."""
+    pid = _JVM_PIDS.pop(sw, None)
     sw.close()
-    gateway = getattr(sw, "_gateway", None)  # ScienceWorld keeps no public handle on its JVM
-    proc = getattr(gateway, "java_process", None)
-    if proc is None:
+    if pid is None:
         return
+    deadline = time.monotonic() + wait
     try:
-        proc.wait(wait)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return
+            time.sleep(0.02)
+    except ChildProcessError:  # already reaped (by the Popen that started it)
+        pass
 
 
 def make_task(family: str, variation: int, split: str, description: str,

@@ -21,7 +21,7 @@ successful finished trajectories below each, Monte-Carlo; ``qgap``: their Q valu
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from .agent import TurnEncoder
 from .export_common import (ExportError, Renderer, branch_groups, check_unit, cut_at,
@@ -58,6 +58,19 @@ def _branch_pairs(kids: list[Node], below: dict[int, tuple[int, int]]
     return [(a, b, mc(a), 0.0) for a in good for b in bad]
 
 
+def _pair_rule(tree: SearchTree, pairs: str, margin: float, value: str, min_visits: int
+               ) -> Callable[[list[Node]], list[tuple[Node, Node, float, float]]]:
+    """``kids -> pairs`` for one tree under the rule ``pairs`` (what it needs computed once)."""
+    if pairs == "branch":
+        below = finished_below(tree)
+        return lambda kids: _branch_pairs(kids, below)
+    if pairs == "qgap":
+        q = q_values(tree)
+        return lambda kids: _qgap_pairs(kids, q, margin, min_visits)
+    vals = node_values(tree, value)
+    return lambda kids: _value_pairs(kids, vals, margin)
+
+
 def dpo_rows(results: Iterable[SearchResult], *, pairs: str = "branch", margin: float = 0.5,
              value: str = "mc", unit: str = "step", max_pairs: int = 4, min_visits: int = 2,
              tokenizer: TurnEncoder | None = None) -> list[dict[str, Any]]:
@@ -77,20 +90,9 @@ def dpo_rows(results: Iterable[SearchResult], *, pairs: str = "branch", margin: 
     rows = []
     for res in results:
         tree = res.tree
-        if pairs == "branch":
-            below = finished_below(tree)
-        elif pairs == "qgap":
-            q = q_values(tree)
-        else:
-            vals = node_values(tree, value)
+        pick = _pair_rule(tree, pairs, margin, value, min_visits)
         for parent, kids in branch_groups(tree):
-            if pairs == "branch":
-                found = _branch_pairs(kids, below)
-            elif pairs == "qgap":
-                found = _qgap_pairs(kids, q, margin, min_visits)
-            else:
-                found = _value_pairs(kids, vals, margin)
-            found = [p for p in found if p[0].step.completion != p[1].step.completion]
+            found = [p for p in pick(kids) if p[0].step.completion != p[1].step.completion]
             found.sort(key=lambda p: -(p[2] - p[3]))  # stable: ties keep the siblings' order
             depth = parent.depth + 1
             for n, (a, b, va, vb) in enumerate(found[:max_pairs]):

@@ -131,10 +131,11 @@ class PrefixScorer:
         if len(rows) < 2:
             return {}
         rows.sort()
+        held = {r: self.kv.lookup(t)[0] for t, r in rows}  # what the KV cache holds of each row
         found: dict[tuple[int, ...], int] = {}
         for (ta, a), (tb, b) in zip(rows, rows[1:]):
             n = common_prefix(ta, tb, min(len(ta), len(tb)))
-            if n >= MIN_SHARED + max(self.kv.lookup(ta, max_len=n)[0], self.kv.lookup(tb, max_len=n)[0]):
+            if n >= MIN_SHARED + max(held[a], held[b]):
                 key = tuple(ta[:n])
                 found[key] = min(found.get(key, a), a, b)
         if not found:

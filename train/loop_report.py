@@ -169,7 +169,7 @@ def results_record(cfg: Any, history: list[dict[str, Any]], *, command: str, git
     was run (None otherwise). Schema: :data:`RESULTS_SCHEMA`."""
     from omrl_search.stats import mcnemar
 
-    name = cfg.eval_strategies.split(",")[0].split(":")[0].strip()
+    name = next(iter(history[0]["eval"]["rows"]))  # the rows follow eval_strategies' order
     budget = next(iter(history[0]["eval"]["rows"][name]))
     outs = {h["round"]: bench_outcomes(Path(cfg.out) / f"round_{h['round']}" / "eval") for h in history}
     last = history[-1]["eval"]

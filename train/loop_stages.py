@@ -175,30 +175,31 @@ def data_stage(cfg: "LoopConfig", r: int):
         sources = search_files(cfg, r)
         tok = tokenizer_of(cfg.policy)
         rows: dict[str, Any] = {}
+        mixed = rs_rounds(cfg, r)
+        # sft: search successes and solver demos; rs_sft: the search's own successes, this
+        # round's and rs_history rounds' before, deduplicated by state path, at most rs_cap per
+        # task; dpo/grpo: the search's trees
+        files = {"sft": sources, "rs_sft": [search_files(cfg, q)[0] for q in mixed]}
+        opts = {"rs_sft": {"cap": cfg.rs_cap},
+                "dpo": {"pairs": cfg.dpo_pairs, "margin": cfg.dpo_margin, "min_visits": cfg.dpo_min_visits}}
         for kind in TRAINERS:
-            # sft: search successes and solver demos; rs_sft: the search's own successes, this
-            # round's and rs_history rounds' before, deduplicated by state path, at most rs_cap
-            # per task; dpo/grpo: the search's trees
-            files = sources if kind == "sft" else rs_sources(cfg, r) if kind == "rs_sft" else sources[:1]
-            what, opts = ("rs-sft", {"cap": cfg.rs_cap}) if kind == "rs_sft" else (kind, {})
-            if kind == "dpo":
-                opts = {"pairs": cfg.dpo_pairs, "margin": cfg.dpo_margin, "min_visits": cfg.dpo_min_visits}
+            what = "rs-sft" if kind == "rs_sft" else kind
             try:
-                _, rows[kind] = export(what, files, d / f"{kind}.parquet", tokenizer=tok, **opts)
+                _, rows[kind] = export(what, files.get(kind, sources[:1]), d / f"{kind}.parquet",
+                                       tokenizer=tok, **opts.get(kind, {}))
             except ExportError as exc:
                 rows[kind] = 0
                 rows[f"{kind}_note"] = str(exc)
-        rows["rs_sft_rounds"] = [int(f.parent.parent.name.removeprefix("round_")) for f in rs_sources(cfg, r)]
+        rows["rs_sft_rounds"] = mixed
         return {"rows": rows}
     return run
 
 
-def rs_sources(cfg: "LoopConfig", r: int) -> list[Path]:
-    """The search results RS-SFT of round ``r`` learns from: its own and those of the
+def rs_rounds(cfg: "LoopConfig", r: int) -> list[int]:
+    """The rounds whose search results RS-SFT of round ``r`` learns from: ``r`` and the
     ``rs_history`` rounds before it (all earlier rounds when None) that have any."""
     first = 1 if cfg.rs_history is None else max(1, r - cfg.rs_history)
-    files = [search_files(cfg, q)[0] for q in range(first, r + 1)]
-    return [f for f in files if f.exists()]
+    return [q for q in range(first, r + 1) if search_files(cfg, q)[0].exists()]
 
 
 def run_trainer(kind: str, settings: dict[str, Any]) -> str:
