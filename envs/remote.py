@@ -45,7 +45,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from omrl_search.env import Env, EnvError, ReplayDivergence, _check_snapshot, env_class, stable_hash
+from omrl_search.env import Env, EnvError, ReplayDivergence, check_snapshot, env_class, stable_hash
 from omrl_search.types import Snapshot, StepResult, Task
 
 from ._agentgym import SUCCESS_RULES, Profile, identify
@@ -347,7 +347,7 @@ class RemoteEnv(Env):
     def restore(self, snapshot: Snapshot) -> None:
         """Restore by the server's stored snapshot when it still has it, else by replay (on an
         AgentGym server lazily: at the next step, or when the server must be asked)."""
-        _check_snapshot(self, snapshot, "replay")
+        check_snapshot(self, snapshot, "replay")
         task, actions = snapshot.payload
         ref = getattr(snapshot.payload, "ref", None)
         if self.native and ref is not None:

@@ -215,7 +215,7 @@ class ValueSnapshots:
                         self.dedup_key() if self._own_dedup else "")
 
     def restore(self, snapshot: Snapshot) -> None:
-        _check_snapshot(self, snapshot, "value")
+        check_snapshot(self, snapshot, "value")
         self.state = snapshot.payload
 
     def position(self) -> Any:
@@ -245,11 +245,11 @@ class NativeSnapshots:
                         self.dedup_key() if self._own_dedup else "")
 
     def restore(self, snapshot: Snapshot) -> None:
-        _check_snapshot(self, snapshot, "native")
+        check_snapshot(self, snapshot, "native")
         self.load_native(snapshot.payload)
 
 
-def _check_snapshot(env: Any, snapshot: Snapshot, kind: str) -> None:
+def check_snapshot(env: Any, snapshot: Snapshot, kind: str) -> None:
     """Refuse snapshots of another kind or from another env, instead of restoring garbage."""
     if snapshot.kind != kind:
         raise EnvError(f"cannot restore a {snapshot.kind!r} snapshot into a {kind}-snapshot env")
@@ -304,7 +304,7 @@ class ReplayEnv(Env):
                         self.name, self.inner.dedup_key() if self._own_dedup else "")
 
     def restore(self, snapshot: Snapshot) -> None:
-        _check_snapshot(self, snapshot, "replay")
+        check_snapshot(self, snapshot, "replay")
         task, actions = snapshot.payload
         self.reset(task)
         for action in actions:
