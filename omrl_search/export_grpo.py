@@ -11,7 +11,8 @@ from .result import SearchResult
 
 
 def grpo_rows(results: Iterable[SearchResult], *, unit: str = "trajectory", value: str = "mc",
-              min_group: int = 2, tokenizer: TurnEncoder | None = None) -> list[dict[str, Any]]:
+              min_group: int = 2, tokenizer: TurnEncoder | None = None,
+              reward_model: Any = None) -> list[dict[str, Any]]:
     """Groups of continuations from one snapshot. ``unit="trajectory"``: every finished
     trajectory below a branch point is a member, its ``value`` the outcome (1 success, 0
     failure; best-of-N gives the classic GRPO group at the root); ``"step"``: each sibling's
@@ -20,10 +21,15 @@ def grpo_rows(results: Iterable[SearchResult], *, unit: str = "trajectory", valu
     Rows carry the behaviour policy's logprobs in their segments, and each assistant segment the
     grammar its step was sampled under (``grammar``, None if unconstrained): under a grammar the
     logprobs are those of the masked, renormalised distribution, and a trainer rebuilds the same
-    masks to compute its own (:mod:`train.data`)."""
+    masks to compute its own (:mod:`train.data`).
+
+    With a ``reward_model`` (a PRM, the implicit PRM: anything with ``score``), each row also
+    gets ``process``: the model's value of the snapshot the group branched from (None at the
+    root, which no step reached) followed by its value after each of the member's steps, one
+    ``score`` call for all rows: the dense process rewards of :func:`train.losses.process_advantages`."""
     check_unit(unit)
     r = Renderer(tokenizer)
-    rows = []
+    rows, paths = [], []
     for res in results:
         tree = res.tree
         vals = node_values(tree, value) if unit == "step" else None
@@ -47,6 +53,19 @@ def grpo_rows(results: Iterable[SearchResult], *, unit: str = "trajectory", valu
                              "value": float(target), "reward": env_reward(path, depth),
                              "success": bool(last.terminal and last.success),
                              "terminal": bool(last.terminal)})
+                paths.append((tree, path, depth))
+    if reward_model is not None:
+        add_process_values(rows, paths, reward_model)
     return rows
+
+
+def add_process_values(rows: list[dict[str, Any]], paths: list[tuple[Any, list, int]], rm: Any) -> None:
+    """``row["process"]`` for each row from ``rm``'s step scores of its whole path (one call):
+    ``[value before the member's first step (None at the root), value after each of its steps]``."""
+    scores = rm.score([tree.trajectory(path[-1]) for tree, path, _ in paths])
+    for row, (tree, path, depth), s in zip(rows, paths, scores):
+        if isinstance(s, Exception):
+            raise ValueError(f"{tree.task.task_id}: the reward model could not score a member: {s}")
+        row["process"] = [float(s[depth - 2]) if depth >= 2 else None] + [float(v) for v in s[depth - 1:]]
 
 

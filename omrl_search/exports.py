@@ -92,7 +92,8 @@ def schema(kind: str) -> Any:
                        ("chosen_value", pa.float64()), ("rejected_value", pa.float64())],
         "grpo": base + [("group_id", pa.string()), ("prompt", msg), ("completion", msg),
                         ("segments", grpo_seg), ("value", pa.float64()), ("reward", pa.float64()),
-                        ("success", pa.bool_()), ("terminal", pa.bool_())],
+                        ("success", pa.bool_()), ("terminal", pa.bool_()),
+                        ("process", floats)],  # null without --process-rm
         "prm": [("prompt", msg), ("completions", pa.list_(pa.string())),
                 ("labels", pa.list_(pa.bool_())), ("soft_labels", floats), ("mc_values", floats),
                 ("mc_rollouts", ints), ("q_values", floats), ("visits", ints),
@@ -175,6 +176,9 @@ def configure(parser: Any) -> None:
                         help="dpo/grpo: single turns or whole continuations (dpo: step, grpo: trajectory)")
     parser.add_argument("--value", choices=VALUES, default="mc", help="dpo/grpo: node values")
     parser.add_argument("--min-group", type=int_at_least(1), default=2, help="grpo: smallest group kept")
+    parser.add_argument("--process-rm", default=None, metavar="SPEC",
+                        help="grpo: a reward model (prm:DIR, implicit:POLICY) whose step values "
+                             "fill the process column (dense process rewards)")
     parser.add_argument("--soft", choices=SOFT, default="mc",
                         help="prm: what soft_labels hold (mc, q where there is one, their mean)")
     parser.add_argument("--threshold", type=finite_at_least(0), default=0.5, help="prm: labels = soft_labels >= this")
@@ -199,8 +203,12 @@ def run(args: Any) -> int:
     elif args.kind == "prm":
         opts = {"soft": args.soft, "threshold": args.threshold}
     try:
+        if args.kind == "grpo" and args.process_rm:
+            from .reward import make_reward_model
+
+            opts["reward_model"] = make_reward_model(args.process_rm)
         path, n = export(args.kind, args.sources, args.out, tokenizer=args.tokenizer, **opts)
-    except ExportError as exc:
+    except (ExportError, ValueError) as exc:  # also a bad --process-rm spec or an unscored member
         print(f"omrl export: error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {n} {args.kind} rows to {path}")

@@ -36,6 +36,12 @@ class TokenRow:
     reward: float = 0.0
     group: int = 0
     advantage: float = 0.0
+    #: a reward model's value of the snapshot (None: the root) and after each turn (the grpo
+    #: export's ``process`` column): what ``process_rewards`` turns into step advantages
+    process: list[float | None] | None = None
+    #: one advantage per assistant turn (dense process rewards, :func:`train.losses.process_advantages`);
+    #: None: ``advantage`` on every trainable token
+    step_advantages: list[float] | None = None
     #: ``(start, end, grammar record)``: ``input_ids[start:end]`` were sampled under that grammar
     #: (their behaviour logprobs are masked ones; :class:`GrammarMasks` rebuilds the masks)
     grammars: list[tuple[int, int, dict[str, Any]]] | None = None
@@ -241,6 +247,7 @@ def load_grpo(paths: Sequence[str | Path], builder: RowBuilder) -> list[TokenRow
         seq = builder.sequence(row, "segments", None)
         seq.reward = float(reward)
         seq.group = groups.setdefault(row["group_id"], len(groups))
+        seq.process = row.get("process")
         return seq
 
     return _load(paths, "grpo", convert)
@@ -331,8 +338,37 @@ def collate(rows: Sequence[TokenRow], pad_id: int) -> dict[str, Any]:
     return {"input_ids": ids, "attention_mask": att, "loss_mask": mask, "old_logprobs": old,
             "n_tokens": att.sum(), "has_old": torch.tensor([r.has_logprobs for r in rows]),
             "rewards": torch.tensor([r.reward for r in rows], dtype=torch.float32),
-            "advantages": torch.tensor([r.advantage for r in rows], dtype=torch.float32),
+            "advantages": advantages(rows, T),
             "groups": torch.tensor([r.group for r in rows], dtype=torch.long)}
+
+
+def advantages(rows: Sequence[TokenRow], T: int) -> Any:
+    """``[B]`` advantages, or ``[B, T]`` when a row has one per turn: its k-th run of trainable
+    tokens gets its k-th step advantage (a turn cut off by the length limit takes its own)."""
+    import torch
+
+    if all(r.step_advantages is None for r in rows):
+        return torch.tensor([r.advantage for r in rows], dtype=torch.float32)
+    out = torch.zeros((len(rows), T), dtype=torch.float32)
+    for b, r in enumerate(rows):
+        out[b, :len(r.input_ids)] = torch.tensor(token_advantages(r), dtype=torch.float32)
+    return out
+
+
+def token_advantages(row: TokenRow) -> list[float]:
+    """Each token's advantage: ``step_advantages[k]`` on the k-th run of trainable tokens, 0
+    elsewhere; ``advantage`` on every trainable token when the row has no step advantages."""
+    if row.step_advantages is None:
+        return [row.advantage * m for m in row.loss_mask]
+    runs = sum(1 for t, m in enumerate(row.loss_mask) if m and (t == 0 or not row.loss_mask[t - 1]))
+    if runs > len(row.step_advantages):
+        raise ValueError(f"{runs} trainable turns but {len(row.step_advantages)} step advantages")
+    out, k = [], -1
+    for t, m in enumerate(row.loss_mask):
+        if m and (t == 0 or not row.loss_mask[t - 1]):
+            k += 1
+        out.append(row.step_advantages[k] if m else 0.0)
+    return out
 
 
 def collate_pairs(pairs: Sequence[PairRow], pad_id: int) -> dict[str, Any]:

@@ -41,6 +41,13 @@ read the same distribution the sample came from: the ratio is exactly 1 at the f
 and std-normalised per group; ``dr-grpo``: mean-centred only; ``rloo``: leave-one-out baseline)
 and ``agg:`` the loss aggregation in :data:`train.losses.AGGREGATIONS`.
 
+**Dense process rewards** (``process_rewards: {model: SPEC, coef: 0.5}``, PRIME-style): a PRM
+or the implicit PRM scores every member's steps (online: ``model`` scores each sampling pass's
+groups; offline: the file's ``process`` column, ``omrl export grpo --process-rm SPEC``); the
+value each step gains is its process reward, and each turn's tokens get the outcome advantage
+plus ``coef`` times its process return against the group's (:func:`train.losses.process_advantages`).
+Dynamic sampling still drops groups whose outcomes are all equal.
+
 With ``kl_coef > 0`` a k3 KL penalty to the reference (the initial policy: adapter disabled
 under LoRA, else a frozen copy) is added per token.
 """
@@ -51,7 +58,7 @@ import random
 import uuid
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from omrl_search.executors import parse_executor
 from omrl_search.types import DEFAULT_MAX_TOKENS, Task
@@ -60,8 +67,18 @@ from .common import (AdvantageName, AggregationName, PolicyConfig, Reference, gr
                      layout_collate, make_builder, pad_id, policy_logprobs)
 from .config import AgentName
 from .data import RowBuilder, TokenRow, load_grpo
-from .losses import ADVANTAGES, clip_policy_loss
+from .losses import ADVANTAGES, clip_policy_loss, process_advantages
 from .runtime import ListSource, Runner, TrainError, is_peft, load_model, resolve_model_path
+
+
+class ProcessRewards(BaseModel):
+    """Dense process rewards added to the outcome advantage (:func:`train.losses.process_advantages`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    # the reward model whose step values score online samples (prm:DIR, implicit:POLICY);
+    # offline rows bring theirs in the process column (omrl export grpo --process-rm)
+    model: str | None = None
+    coef: float = Field(0.5, ge=0)  # weight of the process return beside the outcome advantage
 
 
 class OnlineSettings(BaseModel):
@@ -109,6 +126,8 @@ class GRPOConfig(PolicyConfig):
     # online, sample more groups in their place (online.min_groups, online.max_sampling_tries)
     dynamic_sampling: bool = True
     online: OnlineSettings | None = None
+    # PRIME-style dense process rewards from a PRM or the implicit PRM (None: outcome only)
+    process_rewards: ProcessRewards | None = None
     #: whether the trainer has a value model for estimators registered with needs_values (PPO)
     value_estimators: ClassVar[bool] = False
 
@@ -119,15 +138,24 @@ class GRPOConfig(PolicyConfig):
             raise ValueError(f"advantage {name!r} needs a value model: use omrl train ppo")
         return name
 
+    @model_validator(mode="after")
+    def _process_with_groups(self) -> "GRPOConfig":
+        if self.process_rewards is not None and needs_values(self.advantage):
+            raise ValueError(f"process_rewards adds to a group estimator's advantages, not {self.advantage!r}'s")
+        return self
+
 
 def needs_values(advantage: str) -> bool:
     """Whether the named estimator takes a value model's values (GAE) rather than group rewards."""
     return bool(getattr(ADVANTAGES[advantage], "needs_values", False))
 
 
-def assign_advantages(rows: list[TokenRow], advantage: str) -> list[TokenRow]:
+def assign_advantages(rows: list[TokenRow], advantage: str,
+                      process: ProcessRewards | None = None) -> list[TokenRow]:
     """The named group estimator's advantages on the rows (by their ``group``; a value-based
-    estimator is left to the trainer's batches). Flat groups are dropped by :func:`split_flat`."""
+    estimator is left to the trainer's batches), and with ``process`` one advantage per turn,
+    the outcome's plus the rows' dense process rewards. Flat groups are dropped by
+    :func:`split_flat`."""
     import torch
 
     if not rows:
@@ -137,6 +165,15 @@ def assign_advantages(rows: list[TokenRow], advantage: str) -> list[TokenRow]:
         groups = torch.tensor([r.group for r in rows])
         for r, a in zip(rows, ADVANTAGES[advantage](rewards, groups).tolist()):
             r.advantage = a
+    if process is not None:
+        missing = sum(r.process is None for r in rows)
+        if missing:
+            raise TrainError(f"process_rewards: {missing} of {len(rows)} GRPO rows have no process "
+                             "values (export with --process-rm SPEC, or set process_rewards.model online)")
+        steps = process_advantages([r.advantage for r in rows], [r.process for r in rows],
+                                   [r.group for r in rows], process.coef)
+        for r, a in zip(rows, steps):
+            r.step_advantages = a
     return rows
 
 
@@ -195,6 +232,7 @@ class RolloutSource:
         self.stats: dict[str, float] = {}
         self.last_fault = ""
         self._policy: Any = None
+        self._process_rm: Any = None
         self.remote = parse_executor(cfg.online.executor)[0] != "local"
         self._run = uuid.uuid4().hex[:8]  # pushed versions are (run, step): no clash between runs
         self.reencode: Any = None  # a TurnEncoder to re-encode samples with (tests: scripted policies)
@@ -213,6 +251,20 @@ class RolloutSource:
         self._policy.model = runner.module
         self._policy.clear_cache()  # KV cached under the previous weights
         return self._policy
+
+    def process_rm(self) -> Any:
+        """The reward model of ``process_rewards`` (built once), or None."""
+        pr = self.cfg.process_rewards
+        if pr is None:
+            return None
+        if self._process_rm is None:
+            from omrl_search.reward import make_reward_model
+
+            if not pr.model:
+                raise TrainError("process_rewards.model: online GRPO needs a reward model to score "
+                                 "its samples (prm:DIR or implicit:POLICY)")
+            self._process_rm = make_reward_model(pr.model)
+        return self._process_rm
 
     def remote_policy(self) -> str:
         """The spec the Ray actors build their policy from: architecture, tokenizer and dtype
@@ -262,7 +314,7 @@ class RolloutSource:
             raise TrainError(f"online GRPO: {passes} sampling passes gave no trainable group "
                              f"({int(counts['groups_sampled'])} groups, {int(counts['groups_flat'])} "
                              f"with equal rewards{why})")
-        rows = assign_advantages(rows, self.cfg.advantage)
+        rows = assign_advantages(rows, self.cfg.advantage, self.cfg.process_rewards)
         n_mb = on.steps_per_round * self.cfg.grad_accum
         random.Random(self.cfg.seed * 7919 + self.round).shuffle(rows)
         size = -(-len(rows) // n_mb)  # the round's rows split evenly (cycled when too few)
@@ -283,13 +335,14 @@ class RolloutSource:
         self.last_fault = next((f for r in results for f in r.faults), self.last_fault)
         rows: list[TokenRow] = []
         groups: dict[str, int] = {}
-        for row in grpo_rows(results, unit=on.unit, tokenizer=self.reencode):
+        for row in grpo_rows(results, unit=on.unit, tokenizer=self.reencode, reward_model=self.process_rm()):
             try:
                 seq = self.builder.from_segments(row["segments"])
             except ValueError:
                 continue  # e.g. a turn cut to nothing by max_length
             seq.reward = row["value"]  # the training target (row["reward"] is the env's reward)
             seq.group = offset + groups.setdefault(row["group_id"], len(groups))
+            seq.process = row.get("process")
             rows.append(seq)
         return rows, results
 
@@ -360,7 +413,7 @@ def make_source(cfg: GRPOConfig, model: Any, tok: Any) -> tuple[Any, int | None]
     every step)."""
     builder = make_builder(cfg, model, tok)
     if cfg.online is None:
-        rows = assign_advantages(load_grpo(cfg.data, builder), cfg.advantage)
+        rows = assign_advantages(load_grpo(cfg.data, builder), cfg.advantage, cfg.process_rewards)
         counts: dict[str, float] = {}
         if drops_flat(cfg):
             rows, counts = split_flat(rows)

@@ -18,7 +18,8 @@ name them):
 * :data:`ADVANTAGES` — advantage estimators (``advantage:`` in ``grpo``, ``ppo``): group
   estimators ``f(rewards[B], group_ids[B]) -> [B]``, and, registered with
   ``needs_values=True``, value-based ones ``f(rewards[B, T], values[B, T], mask, *, gamma, lam)
-  -> (advantages, returns)`` (PPO with a value head).
+  -> (advantages, returns)`` (PPO with a value head); :func:`process_advantages` adds a reward
+  model's dense process rewards to a group estimator's, one advantage per step (PRIME).
 
 An unknown name raises one ``ValueError`` that lists the known names.
 
@@ -36,7 +37,7 @@ Loss aggregation over a ``[B, T]`` per-token loss (``agg``):
 """
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -263,6 +264,37 @@ def rloo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
     n = count[inv]
     adv = rewards - (total[inv] - rewards) / (n - 1).clamp(min=1.0)
     return torch.where(n > 1, adv, torch.zeros_like(adv))
+
+
+def process_advantages(outcome: Sequence[float], values: Sequence[Sequence[float | None]],
+                       groups: Sequence[Any], coef: float) -> list[list[float]]:
+    """Dense process rewards added to outcome advantages (PRIME, Cui et al. 2025): one advantage
+    per step of each member.
+
+    ``values[i]`` is a reward model's value of member ``i``'s snapshot (None: the root, which no
+    step reached; its estimate is then the mean over the group of the values after the first
+    step, the policy's expected value there) followed by its value after each step. The process
+    reward of step ``s`` is the value it gained, ``r_s = v_s - v_{s-1}``; step ``k``'s process
+    return is ``G_k = sum_{s >= k} r_s`` (gamma = 1), baselined, as the outcome is by RLOO, by
+    the mean first-step return of the *other* members of its group (a group of one is its own
+    baseline). Step ``k`` of member ``i`` gets ``outcome[i] + coef * (G_ik - baseline_i)``."""
+    members: dict[Any, list[int]] = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    full: list[list[float]] = [[0.0] for _ in values]
+    for ids in members.values():
+        firsts = [values[i][1] for i in ids if len(values[i]) > 1]
+        root = sum(firsts) / len(firsts) if firsts else 0.0
+        for i in ids:
+            v = values[i]
+            full[i] = [root if v[0] is None else float(v[0])] + [float(x) for x in v[1:]]
+    returns = [[v[-1] - v[k - 1] for k in range(1, len(v))] for v in full]  # G_k telescopes
+    out = []
+    for i, g in enumerate(groups):
+        others = [returns[j][0] for j in members[g] if j != i and returns[j]]
+        base = sum(others) / len(others) if others else (returns[i][0] if returns[i] else 0.0)
+        out.append([float(outcome[i]) + coef * (G - base) for G in returns[i]])
+    return out
 
 
 def _group_sums(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -1,0 +1,139 @@
+"""Dense process rewards for GRPO (PRIME-style): the advantage function against a hand
+computation, the spread of step advantages over each turn's tokens, the ``process`` column the
+grpo export fills from a reward model, and offline and online GRPO training with them."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("pyarrow")
+
+import omrl_search as om  # noqa: E402
+from omrl_search.cli import main  # noqa: E402
+from omrl_search.exports import export, grpo_rows  # noqa: E402
+from omrl_search.reward import RewardModel  # noqa: E402
+from train import grpo  # noqa: E402
+from train.data import TokenRow, collate, token_advantages  # noqa: E402
+from train.losses import process_advantages  # noqa: E402
+from train.ppo import PPOConfig  # noqa: E402
+from train.runtime import TrainError  # noqa: E402
+
+
+class StepIndex(RewardModel):
+    """Step k of any trajectory (1-based) scores k / 10: values a test can predict."""
+
+    def score(self, prefixes):
+        return [[(k + 1) / 10 for k in range(len(p.steps))] for p in prefixes]
+
+
+def test_process_advantages_match_a_hand_computation():
+    # group "a": two members from the root (no value before their first step); group "b": one
+    # member from a snapshot valued 0.2; group "c": two members from a snapshot valued 0.6
+    values = [[None, 0.5, 0.9], [None, 0.3], [0.2, 0.4, 0.1], [0.6, 1.0], [0.6, 0.0]]
+    out = process_advantages([1.0, -1.0, 0.0, 0.5, -0.5], values, ["a", "a", "b", "c", "c"], coef=0.5)
+    # a: the root is valued at the mean first-step value, 0.4; returns G_k = v_end - v_{k-1}:
+    # member 0: G = [0.5, 0.4], member 1: G = [-0.1]; each baselined by the other's G_1
+    assert out[0] == pytest.approx([1.0 + 0.5 * (0.5 + 0.1), 1.0 + 0.5 * (0.4 + 0.1)])
+    assert out[1] == pytest.approx([-1.0 + 0.5 * (-0.1 - 0.5)])
+    # b: a group of one is its own baseline (G = [-0.1, -0.3])
+    assert out[2] == pytest.approx([0.0, 0.5 * (-0.3 + 0.1)])
+    # c: G = [0.4] and [-0.6]
+    assert out[3] == pytest.approx([0.5 + 0.5 * (0.4 + 0.6)])
+    assert out[4] == pytest.approx([-0.5 + 0.5 * (-0.6 - 0.4)])
+    # coef 0: the outcome advantage on every step
+    assert process_advantages([1.0, -1.0], values[:2], [0, 0], coef=0.0) == [[1.0, 1.0], [-1.0]]
+
+
+def test_step_advantages_are_spread_over_each_turns_tokens():
+    row = TokenRow(input_ids=list(range(9)), loss_mask=[0, 0, 1, 1, 0, 1, 1, 1, 0], logprobs=[0.0] * 9,
+                   has_logprobs=False, advantage=9.0, step_advantages=[2.0, -1.0])
+    assert token_advantages(row) == [0, 0, 2.0, 2.0, 0, -1.0, -1.0, -1.0, 0]
+    plain = TokenRow(input_ids=[1, 2, 3], loss_mask=[0, 1, 1], logprobs=[0.0] * 3, has_logprobs=False,
+                     advantage=0.5)
+    assert collate([plain], 0)["advantages"].tolist() == [0.5]  # one per row without step advantages
+    both = collate([row, plain], 0)["advantages"]
+    assert both.shape == (2, 9)
+    assert both[1].tolist() == [0.0, 0.5, 0.5] + [0.0] * 6
+    row.step_advantages = [2.0]  # two turns, one advantage: refused
+    with pytest.raises(ValueError, match="2 trainable turns but 1 step advantages"):
+        token_advantages(row)
+
+
+@pytest.mark.parametrize("strategy", ["best_of_n:n=3", "beam:width=2,k=2"])
+def test_the_grpo_export_records_the_reward_models_step_values(strategy):
+    results = om.search_many(om.load_tasks("game24", "train", limit=3), strategy=strategy,
+                             policy="scripted:oracle:p=0.4", seed=0)
+    rows = grpo_rows(results, reward_model=StepIndex())
+    assert rows and all("process" not in r for r in grpo_rows(results))
+    depths = set()
+    for r in rows:
+        depth = len(r["prompt"]) // 2  # system+user, then one assistant+observation pair per step before
+        steps = sum(m["role"] == "assistant" for m in r["completion"])
+        before = None if depth == 1 else (depth - 1) / 10
+        assert r["process"] == pytest.approx([before] + [(depth + k) / 10 for k in range(steps)])
+        depths.add(depth)
+    assert depths == {1} if strategy.startswith("best") else max(depths) > 1  # beam: groups below the root
+
+
+def _grpo_data(tmp_path, model, rm="rules:format=0.2,outcome=1"):
+    results = om.search_many(om.load_tasks("game24", "train", limit=8), strategy="best_of_n:n=3",
+                             policy="scripted:oracle:p=0.4", seed=0)
+    om.write_results(tmp_path / "r.jsonl", results)
+    args = ["export", "grpo", str(tmp_path / "r.jsonl"), "--out", str(tmp_path / "g.parquet"),
+            "--tokenizer", model] + (["--process-rm", rm] if rm else [])
+    assert main(args) == 0
+    return str(tmp_path / "g.parquet")
+
+
+def test_offline_grpo_trains_on_step_advantages(tiny_agent_model, tmp_path):
+    data = _grpo_data(tmp_path, tiny_agent_model)
+    cfg = grpo.GRPOConfig(model=tiny_agent_model, data=[data], out=str(tmp_path / "o"), lr=1e-3,
+                          batch_size=2, max_steps=2, progress=False, process_rewards={"coef": 0.5})
+    runner = grpo.build(cfg)
+    rows = runner.source.examples
+    assert rows and all(len(r.step_advantages) == len(r.process) - 1 for r in rows)
+    assert any(r.step_advantages[0] != r.advantage for r in rows)  # the process part moved them
+    runner.train()
+    outcome_only = grpo.build(cfg.model_copy(update={"process_rewards": None, "out": str(tmp_path / "p")}))
+    assert all(r.step_advantages is None for r in outcome_only.source.examples)
+
+
+def test_process_rewards_without_process_values_is_one_clear_error(tiny_agent_model, tmp_path):
+    data = _grpo_data(tmp_path, tiny_agent_model, rm=None)
+    cfg = grpo.GRPOConfig(model=tiny_agent_model, data=[data], out=str(tmp_path / "o"), lr=1e-3,
+                          batch_size=2, max_steps=1, progress=False, process_rewards={"coef": 0.5})
+    with pytest.raises(TrainError, match=r"process_rewards: \d+ of \d+ GRPO rows have no process values"):
+        grpo.build(cfg)
+    with pytest.raises(ValueError, match="adds to a group estimator"):
+        PPOConfig(model=tiny_agent_model, data=[data], out=str(tmp_path / "q"), process_rewards={"coef": 0.5})
+
+
+def test_a_bad_process_rm_spec_is_one_error_line_and_writes_nothing(tmp_path, capsys):
+    results = om.search_many(om.load_tasks("game24", "train", limit=2), strategy="best_of_n:n=2",
+                             policy="scripted:oracle:p=0.4", seed=0)
+    om.write_results(tmp_path / "r.jsonl", results)
+    out = tmp_path / "g.parquet"
+    assert main(["export", "grpo", str(tmp_path / "r.jsonl"), "--out", str(out), "--process-rm", "nope:x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown reward model 'nope:x'" in err[0] and not out.exists()
+
+
+class ScriptedSource(grpo.RolloutSource):
+    def _search(self, runner, tasks, seed):
+        return om.search_many(tasks, strategy=self.on.strategy, policy="scripted:oracle:p=0.4", seed=seed)
+
+
+def test_online_grpo_scores_each_pass_with_the_process_model(tiny_agent_model, tmp_path):
+    cfg = grpo.GRPOConfig(model=tiny_agent_model, out=str(tmp_path / "o"), lr=1e-3, max_steps=2, progress=False,
+                          online={"env": "game24", "tasks_per_round": 2, "strategy": "best_of_n:n=3",
+                                  "constrain": "none"},
+                          process_rewards={"model": "rules:format=0.2,outcome=1", "coef": 1.0})
+    runner = grpo.build(cfg)
+    runner.source.__class__ = ScriptedSource
+    runner.source.reencode = runner.source.builder.encoder
+    rows, _ = runner.source._sample_pass(runner, offset=0)
+    assert rows and all(r.process is not None and len(r.process) >= 2 for r in rows)
+    assert runner.source.process_rm() is runner.source.process_rm()  # built once
+    runner.train()
+    assert all(r.step_advantages is not None for mb in runner.source.pending for r in mb)
