@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -305,6 +306,38 @@ def test_online_grpo_samples_the_chosen_levels_and_never_a_dev_puzzle(tiny_agent
     assert len(sampled) == 4 and {t.task_id for t in sampled} <= {t.task_id for t in tasks}
     assert "rollout_rows" in (d / "model" / "metrics.jsonl").read_text()
     assert train_stage(cfg, 3, "grpo", tiny_agent_model, sets, {"chosen": []})(tmp_path / "x")["skipped"]
+
+
+def test_online_grpo_gets_its_process_reward_model_from_the_loop(tmp_path, monkeypatch):
+    """``process_rewards: prm|implicit``: online GRPO's settings name the round's PRM, or the
+    implicit PRM of the policy being trained against the run's start; bad combinations fail
+    before anything runs."""
+    import omrl_search as om
+    import train.loop_stages as st
+    from train.loop import LoopConfig
+
+    online = {"grpo": {"max_steps": 1, "online": {"strategy": "best_of_n:n=2"}}}
+    seen = []
+    monkeypatch.setattr(st, "run_trainer", lambda kind, settings: seen.append(settings) or settings["out"])
+    sets = SimpleNamespace(pool=om.load_tasks("countdown", "train", limit=3), dev=[])
+    for mode, prm, want in [("prm", "runs/r1/prm/model", "prm:runs/r1/prm/model"),
+                            ("implicit", None, "implicit:hf:runs/r2/model,ref=smollm2"),
+                            ("none", "runs/r1/prm/model", None)]:
+        cfg = LoopConfig(env="countdown", process_rewards=mode, process_coef=0.25, out=str(tmp_path),
+                         trainer_settings=online, progress=False)
+        cfg.check()
+        d = tmp_path / mode
+        d.mkdir()
+        info = st.train_stage(cfg, 2, "grpo", "runs/r2/model", sets, None, prm)(d)
+        assert "skipped" not in info
+        got = seen.pop().get("process_rewards")
+        assert got == ({"model": want, "coef": 0.25} if want else None)
+    cfg = LoopConfig(env="countdown", process_rewards="prm", out=str(tmp_path), trainer_settings=online)
+    assert "no PRM" in st.train_stage(cfg, 1, "grpo", "m", sets, None, None)(tmp_path / "x")["skipped"]
+    with pytest.raises(ValueError, match="scores online GRPO's samples"):
+        LoopConfig(env="countdown", process_rewards="implicit").check()
+    with pytest.raises(ValueError, match="needs the loop's PRM"):
+        LoopConfig(env="countdown", process_rewards="prm", prm=False, trainer_settings=online).check()
 
 
 @pytest.mark.parametrize("history, rounds", [(None, [1, 2, 3]), (1, [2, 3]), (0, [3])])

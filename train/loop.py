@@ -145,7 +145,7 @@ def run_loop(cfg: LoopConfig) -> dict[str, Any]:
         info["data"] = run.stage(f"round_{r}/data", st.data_stage(cfg, r))
         info["stages"] = []
         for kind in cfg.trainers(r):
-            train = run.stage(f"round_{r}/train_{kind}", st.train_stage(cfg, r, kind, track.current, sets, plan))
+            train = run.stage(f"round_{r}/train_{kind}", st.train_stage(cfg, r, kind, track.current, sets, plan, prm))
             dev = None
             if "skipped" not in train and cfg.dev_limit:
                 dev = run.stage(f"round_{r}/dev_{kind}", st.dev_stage(cfg, sets, train["model"], track.best["dev"]))

@@ -68,6 +68,11 @@ class LoopConfig(BaseModel):
     dpo_pairs: Literal["branch", "qgap", "value"] = "branch"
     dpo_margin: float = Field(0.5, ge=0, allow_inf_nan=False)
     dpo_min_visits: int = Field(2, ge=1)
+    # online GRPO's dense process rewards (PRIME-style, train.losses.process_advantages): none
+    # (outcome only), prm (the round's PRM scores each step) or implicit (the implicit PRM of
+    # the policy being trained against the run's starting policy), weighted by process_coef
+    process_rewards: Literal["none", "prm", "implicit"] = "none"
+    process_coef: float = Field(0.5, ge=0, allow_inf_nan=False)
     trainer_settings: dict[str, dict[str, Any]] = Field(default_factory=lambda: {
         "sft": {"max_steps": 100, "lr": 5e-5, "batch_size": 4},
         "rs_sft": {"max_steps": 40, "lr": 2e-5, "batch_size": 4},
@@ -101,6 +106,10 @@ class LoopConfig(BaseModel):
             if name not in TRAINERS:
                 raise ValueError(f"unknown trainer {name!r} (one of {', '.join(TRAINERS)})")
         self._check_trainer_settings()
+        if self.process_rewards != "none" and (self.trainer_settings.get("grpo") or {}).get("online") is None:
+            raise ValueError("process_rewards: scores online GRPO's samples; set trainer_settings.grpo.online")
+        if self.process_rewards == "prm" and not self.prm:
+            raise ValueError("process_rewards: prm needs the loop's PRM (prm: true)")
         if self.curriculum is not None:
             check_levels(self.env, self.curriculum)
         for key in ("policy", "prm_base"):  # before loop.json or any stage is written

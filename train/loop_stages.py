@@ -238,11 +238,22 @@ def online_settings(cfg: "LoopConfig", tasks: Sequence[Task]) -> dict[str, Any]:
     return {**mine, **cfg.trainer_settings["grpo"]["online"], "env": cfg.env, "tasks": list(tasks)}
 
 
+def process_spec(cfg: "LoopConfig", model: str, prm: str | None) -> str | None:
+    """The reward model that gives online GRPO its dense process rewards (``process_rewards``):
+    the round's PRM, or the implicit PRM of ``model`` against the run's starting policy."""
+    if cfg.process_rewards == "prm":
+        return f"prm:{prm}" if prm else None
+    if cfg.process_rewards == "implicit":
+        return f"implicit:{policy_spec(model)},ref={policy_spec(cfg.policy)}"
+    return None
+
+
 def train_stage(cfg: "LoopConfig", r: int, kind: str, model: str, sets: TaskSets | None = None,
-                plan: dict[str, Any] | None = None):
+                plan: dict[str, Any] | None = None, prm: str | None = None):
     """One trainer from the current policy; the model path is where the stage ends up. Online
     GRPO (:func:`online_grpo`) samples :func:`train_tasks` (``sets``, ``plan``) with the policy it
-    trains, so flat groups are replaced by new ones (dynamic sampling) instead of only dropped."""
+    trains, so flat groups are replaced by new ones (dynamic sampling) instead of only dropped,
+    with dense process rewards from :func:`process_spec` (``prm``: the round's PRM) when asked."""
     def run(d: Path) -> dict[str, Any]:
         settings = {**cfg.trainer_settings.get(kind, {}), "model": model,
                     "out": str(d / "model"), "seed": cfg.seed + r, "save_every": cfg.save_every,
@@ -252,6 +263,11 @@ def train_stage(cfg: "LoopConfig", r: int, kind: str, model: str, sets: TaskSets
             if not tasks:
                 return {"trainer": kind, "from": model, "skipped": "no train tasks to sample"}
             settings["online"] = online_settings(cfg, tasks)
+            spec = process_spec(cfg, model, prm)
+            if spec:
+                settings["process_rewards"] = {"model": spec, "coef": cfg.process_coef}
+            elif cfg.process_rewards != "none":
+                return {"trainer": kind, "from": model, "skipped": "no PRM trained yet for process rewards"}
         else:
             path = cfg_path(cfg, r, "data") / f"{kind}.parquet"
             if not path.exists():
