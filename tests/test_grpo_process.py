@@ -11,7 +11,7 @@ pytest.importorskip("pyarrow")
 
 import omrl_search as om  # noqa: E402
 from omrl_search.cli import main  # noqa: E402
-from omrl_search.exports import export, grpo_rows  # noqa: E402
+from omrl_search.exports import grpo_rows  # noqa: E402
 from omrl_search.reward import RewardModel  # noqa: E402
 from train import grpo  # noqa: E402
 from train.data import TokenRow, collate, token_advantages  # noqa: E402
