@@ -239,6 +239,46 @@ def test_agent_act_reaches_the_loops_searches_demonstrations_and_evals(tmp_path)
     assert json.loads((e / "summary.json").read_text())["config"]["agent"] == "act"
 
 
+def test_prm_soft_q_labels_the_rounds_mcts_trees_with_their_q_values(tmp_path):
+    """``prm_soft: q``: the round's PRM learns MCTS Q values (solver-proven steps exact), the
+    labels ``omrl label --soft q`` gives the same trees; the search stage records its host and
+    dtype (None for a scripted policy, which runs no model)."""
+    import json
+
+    import omrl_search as om
+    from reward_models.label_files import load_label_dir
+    from reward_models.labels import label_results
+    from train.loop import LoopConfig
+    from train.loop_stages import TaskSets, cfg_path, labels_stage, search_stage
+
+    soft = {}
+    for kind in ("mc", "q"):
+        out = tmp_path / kind
+        cfg = LoopConfig(env="game24", policy="scripted:oracle:p=0.5", agent="act", train_limit=3,
+                         dev_limit=5, progress=False, out=str(out), prm_demos=False, prm_soft=kind,
+                         search_strategy="mcts:priors=policy,solver=true,simulations=12")
+        d = cfg_path(cfg, 1, "search")
+        d.mkdir(parents=True)
+        search_stage(cfg, TaskSets(cfg), 1, cfg.policy, None)(d)
+        (out / "labels").mkdir()
+        labels_stage(cfg, 1, cfg.policy)(out / "labels")
+        soft[kind] = sorted(json.dumps([r["completions"], r["soft_labels"]]) for r in load_label_dir(str(out / "labels")))
+    want = label_results(om.read_results(d / "results.jsonl"), rollouts=0, soft="q")
+    assert soft["q"] == sorted(json.dumps([r["completions"], r["soft_labels"]]) for r in want)
+    assert soft["q"] != soft["mc"]  # the Q values are not the leaves' success shares
+
+
+def test_the_search_stage_records_host_and_dtype(tmp_path):
+    from omrl_search.host import host_info
+    from train.loop import LoopConfig
+    from train.loop_stages import TaskSets, search_stage
+
+    cfg = LoopConfig(env="countdown", policy="scripted:oracle:p=0.3", agent="act", train_limit=2,
+                     dev_limit=5, prm=False, progress=False, out=str(tmp_path), search_strategy="best_of_n:n=2")
+    info = search_stage(cfg, TaskSets(cfg), 1, cfg.policy, None)(tmp_path)
+    assert info["host"] == host_info() and info["dtype"] is None
+
+
 def test_prm_demos_false_labels_the_search_trees_without_the_solver_demonstrations(tmp_path):
     """``prm_demos: false``: the PRM's label rows come from the round's own search trees only;
     by default the solver demonstrations are labelled too."""
@@ -405,3 +445,21 @@ def test_curve_points_are_each_rounds_success_and_tokens_per_solved_task():
     pts = curve_points(history)["react@tokens=2000"]
     assert [p["round"] for p in pts] == [0, 1, 2] and [p["success_rate"] for p in pts] == [0.0, 0.2, 0.4]
     assert [p["tokens_per_solved"] for p in pts] == [None, 3000, 1500]
+
+
+@pytest.mark.parametrize("name", ["loop-game24", "loop-countdown"])
+def test_the_shipped_loop_configs_search_mcts_at_scale(name):
+    """The configs users start from load, pass every check before round 0, and are expert
+    iteration as designed: MCTS with policy priors and the solver over >= 200 train tasks a
+    round, DPO pairs by Q gap, the PRM on Q labels."""
+    import yaml
+
+    from omrl_search.specs import parse_spec
+    from train.loop import LoopConfig
+
+    cfg = LoopConfig(**yaml.safe_load((Path(__file__).parent.parent / "configs" / f"{name}.yaml").read_text()))
+    cfg.check()
+    strategy, opts = parse_spec(cfg.search_strategy)
+    assert strategy == "mcts" and opts["priors"] == "policy" and opts["solver"] in (True, "true")
+    assert cfg.train_limit >= 200 and cfg.dpo_pairs == "qgap" and cfg.prm and cfg.prm_soft == "q"
+    assert cfg.test_limit == 200

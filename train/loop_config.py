@@ -49,6 +49,10 @@ class LoopConfig(BaseModel):
     prm_settings: dict[str, Any] = Field(default_factory=lambda: {
         "max_steps": 60, "keep_layers": 8, "train_layers": 2, "batch_size": 8})
     label_rollouts: int = Field(0, ge=0)  # extra MC rollouts per step (0: the trees' own leaves)
+    # what the PRM learns (omrl label --soft): mc (each step's share of successful finished
+    # leaves below it), q (MCTS Q values, solver-proven wins and losses exact: the labels of
+    # MCTS trees) or mean (their mean); with prm_settings.loss: pairwise for the pairwise loss
+    prm_soft: Literal["mc", "q", "mean"] = "mc"
     # label the solver demonstrations for the PRM too (all successes, worded unlike the policy:
     # they teach "solver-like = good", which a search over the policy's own steps cannot use)
     prm_demos: bool = True

@@ -11,6 +11,7 @@ from typing import Any, Callable, Sequence
 import omrl_search as om
 from omrl_search.bench import bench
 from omrl_search.exports import ExportError, export
+from omrl_search.host import host_info, policy_dtype
 from omrl_search.policy import make_policy
 from omrl_search.result import read_results
 from omrl_search.types import SamplingParams, Task
@@ -76,6 +77,7 @@ def _searcher(cfg: "LoopConfig", r: int, model: str, prm: str | None) -> Callabl
                               reward_model=built["rm"], budget=cfg.search_budget, seed=cfg.seed + r,
                               sampling=SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens),
                               progress=cfg.progress, agent=cfg.agent)
+    search.built = built  # type: ignore[attr-defined]  # the search stage records the policy's dtype
     return search
 
 
@@ -115,6 +117,8 @@ def search_stage(cfg: "LoopConfig", sets: TaskSets, r: int, model: str, prm: str
         check_disjoint([x.task for x in results], sets.dev)
         om.write_results(d / "results.jsonl", results)
         info["search"] = om.summarize(results)
+        # what the search ran on: bf16 on CPUs with native bf16, float32 elsewhere (the backend's choice)
+        info["host"], info["dtype"] = host_info(), policy_dtype(search.built.get("policy"))
         if r == 1 and cfg.expert_demos:
             demos = om.search_many(sets.pool[:cfg.expert_demos], strategy="react",
                                    policy="scripted:oracle:p=0", seed=cfg.seed, agent=cfg.agent)
@@ -140,7 +144,8 @@ def labels_stage(cfg: "LoopConfig", r: int, model: str):
         results = [res for f in files for res in read_results(f)]
         policy = make_policy(policy_spec(model)) if cfg.label_rollouts else None
         rows = label_results(results, policy=policy, rollouts=cfg.label_rollouts, seed=cfg.seed + r,
-                             sampling=SamplingParams(cfg.temperature, max_tokens=cfg.max_tokens))
+                             sampling=SamplingParams(cfg.temperature, max_tokens=cfg.max_tokens),
+                             soft=cfg.prm_soft)
         if not rows:
             return {"rows": 0, "note": "no finished rollouts to label"}
         write_labels(rows, d)
