@@ -54,7 +54,7 @@ def grpo_rows(results: Iterable[SearchResult], *, unit: str = "trajectory", valu
                              "success": bool(last.terminal and last.success),
                              "terminal": bool(last.terminal)})
                 paths.append((tree, path, depth))
-    if reward_model is not None:
+    if reward_model is not None and rows:
         add_process_values(rows, paths, reward_model)
     return rows
 
