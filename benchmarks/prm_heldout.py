@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 
 
@@ -73,6 +74,9 @@ def main() -> None:
 
     if args.mc_vs_exact == bool(args.prm):
         ap.error("give --prm FOLDER or --mc-vs-exact (one of them)")
+    missing = [f for f in args.results if not Path(f).is_file()]
+    if missing:  # e.g. an unexpanded glob: one line, exit 2
+        ap.error(f"no such results file: {missing[0]}")
     try:
         out = (mc_vs_exact(args.results) if args.mc_vs_exact
                else heldout(args.prm, args.results, labels=args.labels))

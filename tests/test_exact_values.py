@@ -222,3 +222,17 @@ def test_a_prm_trained_on_exact_labels_is_marked_a_ceiling(tmp_path, tiny_hf_mod
                  "--max-steps", "1", "--batch-size", "2", "--device", "cpu", "--no-progress"]) == 0
     assert "a ceiling experiment" in capsys.readouterr().err
     assert json.loads((out / "omrl-train.json").read_text())["oracle_labels"].endswith("meta.json")
+
+
+def test_heldout_script_names_a_missing_results_file_in_one_line(tmp_path):
+    """An unexpanded glob (a folder without trees) is one error line and exit 2, not a traceback."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    done = subprocess.run([sys.executable, str(root / "benchmarks/prm_heldout.py"), "--mc-vs-exact",
+                           str(tmp_path / "trees/*.jsonl")], capture_output=True, text=True, cwd=root)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].endswith(f"no such results file: {tmp_path}/trees/*.jsonl")
+    assert "Traceback" not in done.stderr
