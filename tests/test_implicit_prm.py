@@ -67,7 +67,9 @@ def test_step_rewards_are_the_beta_log_ratio_by_hand(policy_model, ref_model, tr
     from omrl_search.agent import ReActFormat
     from omrl_search.exports import prompt_messages
 
-    rm = make_reward_model(f"implicit:hf:{policy_model}:dtype=float32,ref=hf:{ref_model},beta=0.5")
+    # both models in float32, as the hand computation (dtype auto is bfloat16 on native-bf16 CPUs)
+    rm = make_reward_model(
+        f"implicit:hf:{policy_model}:dtype=float32,ref=hf:{ref_model}:dtype=float32,beta=0.5")
     assert isinstance(rm, ImplicitPRM) and rm.beta == 0.5
     got = rm.step_rewards([trajectory])[0]
     fmt = ReActFormat()
