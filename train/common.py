@@ -90,6 +90,10 @@ class Reference:
             for p in self._copy.parameters():
                 p.requires_grad_(False)
 
+    def release(self) -> None:
+        """Free the frozen copy (once its log-probs are precomputed)."""
+        self._copy = None
+
     @contextlib.contextmanager
     def active(self, model: Any) -> Iterator[Any]:
         import torch

@@ -88,7 +88,7 @@ def save_deepspeed_checkpoint(runner: Any, final: Path) -> None:
         torch.save({"world": runner.world, "step": runner.step}, tmp / STATE_FILE)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        runner._prune_checkpoints()
+        runner.prune_checkpoints()
     dist.barrier()
 
 

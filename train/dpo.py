@@ -124,7 +124,7 @@ def build(cfg: DPOConfig) -> Runner:
                     ListSource(pairs, cfg.batch_size, seed=cfg.seed), collate, tokenizer=tok, kind="dpo")
     if precomputed:
         precompute_reference(runner, reference, pairs, pairs_collate, mean_logps(cfg), cfg.batch_size)
-        reference._copy = None  # free the frozen copy
+        reference.release()
     return runner
 
 

@@ -306,7 +306,7 @@ def _validate(runner: Runner, prm: Any, val_rows: list[dict], cfg: PRMConfig) ->
         m = evaluate(prm, val_rows, cfg.threshold)
     runner.model.train()
     line = {"step": runner.step, **{f"val_{k}": v for k, v in m.items()}}
-    if runner._metrics_file is not None:  # during training: the runner's log
+    if runner.logging:  # during training: the runner's log
         runner.log(line)
     elif runner.rank == 0:  # after it: append to the same file
         with open(runner.out / "metrics.jsonl", "a") as fh:

@@ -354,6 +354,11 @@ class Runner:
             self._tb.close()
             self._tb = None
 
+    @property
+    def logging(self) -> bool:
+        """Whether ``metrics.jsonl`` is open (rank 0, during training)."""
+        return self._metrics_file is not None
+
     def log(self, metrics: dict[str, Any]) -> None:
         """Append one line to ``metrics.jsonl`` (and TensorBoard); rank 0 only."""
         if self._metrics_file is None:
@@ -386,7 +391,7 @@ class Runner:
         self.torch.save(self.trainer_state(), tmp / STATE_FILE)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        self._prune_checkpoints()
+        self.prune_checkpoints()
         return final
 
     def trainer_state(self) -> dict[str, Any]:
@@ -398,7 +403,8 @@ class Runner:
             state["scheduler"] = self.scheduler.state_dict()
         return state
 
-    def _prune_checkpoints(self) -> None:
+    def prune_checkpoints(self) -> None:
+        """Delete finished checkpoints beyond the newest ``keep_checkpoints``."""
         done = sorted(p for p in self.checkpoint_dir.glob("step-*") if (p / STATE_FILE).exists())
         for old in done[:-self.cfg.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
