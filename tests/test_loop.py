@@ -91,6 +91,25 @@ def test_killed_loop_resumes_to_the_unbroken_result(tiny_agent_model, tmp_path):
 
     for png in ("learning_curve.png", "tokens_per_solved.png"):  # the report's two curves
         assert (whole / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert results["search_on_best"] is None
+
+    # the search on the best checkpoint, added to the finished run: only that stage runs
+    before = {p: p.stat().st_mtime_ns for p in whole.glob("round_*/*/stage.json")}
+    extended = _argv(tiny_agent_model, whole) + ["--set", "best_search=best_of_n:n=2",
+                                                  "--set", "best_budget=tokens=1500"]
+    subprocess.run(_cmd(extended), check=True, env=env, cwd=ROOT, capture_output=True, timeout=300)
+    assert {p: p.stat().st_mtime_ns for p in whole.glob("round_*/*/stage.json")} == before
+    results = json.loads((whole / "results.json").read_text())
+    jsonschema.validate(results, RESULTS_SCHEMA)
+    best = json.loads((whole / "best.json").read_text())["model"]
+    row = json.loads((whole / "search_on_best" / "summary.json").read_text())["strategies"]
+    ((_, per),) = row.items()
+    row = per["tokens=1500"]
+    found = results["search_on_best"]
+    assert found["policy"].endswith(best) and found["budget"] == "tokens=1500"
+    assert found["strategy"].startswith("best_of_n:n=2")
+    assert (found["tasks"], found["successes"]) == (row["tasks"], row["successes"]) == (2, row["successes"])
+    assert found["tokens_per_task"] == round((row["prompt_tokens"] + row["completion_tokens"]) / 2) > 0
 
     broken = tmp_path / "broken"
     proc = subprocess.Popen(_cmd(_argv(tiny_agent_model, broken)), env=env, cwd=ROOT,
@@ -463,3 +482,5 @@ def test_the_shipped_loop_configs_search_mcts_at_scale(name):
     assert strategy == "mcts" and opts["priors"] == "policy" and opts["solver"] in (True, "true")
     assert cfg.train_limit >= 200 and cfg.dpo_pairs == "qgap" and cfg.prm and cfg.prm_soft == "q"
     assert cfg.test_limit == 200
+    # and they end with the search on the kept checkpoint: MCTS at 5,000 tokens a puzzle
+    assert parse_spec(cfg.best_search)[0] == "mcts" and cfg.best_budget == "tokens=5000"

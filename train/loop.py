@@ -59,7 +59,7 @@ class Run:
     def open(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         saved = self.root / "loop.json"
-        mine = json.loads(self.cfg.model_dump_json(exclude={"rounds", "progress"}))
+        mine = json.loads(self.cfg.model_dump_json(exclude={"rounds", "progress", "best_search", "best_budget"}))
         if saved.exists():
             before = json.loads(saved.read_text())
             diff = sorted(k for k in set(before) | set(mine) if before.get(k) != mine.get(k))
@@ -119,7 +119,7 @@ class Track:
 
 def run_loop(cfg: LoopConfig) -> dict[str, Any]:
     """Run (or finish) every round; returns the per-round test success table."""
-    from .loop_report import plot_curves, results_record, round_report  # scipy: when a loop runs
+    from .loop_report import plot_curves, round_report  # scipy: when a loop runs
 
     cfg.check()
     check_out_path(cfg.out, "out")  # also when it came from the YAML or --set, before any work
@@ -160,12 +160,24 @@ def run_loop(cfg: LoopConfig) -> dict[str, Any]:
         write_text_atomic(run.root / f"round_{r}" / "report.md", text)
         write_text_atomic(run.root / "report.md", text)
         _write_json(run.root / f"round_{r}" / "loop_summary.json", _summary(info, best))
-        _write_json(run.root / "results.json", results_record(
-            cfg, history, command=shlex.join(["omrl", *sys.argv[1:]]), git=git_commit(),
-            hours=stage_seconds(history) / 3600))
+        write_results(run, history)
     best = {k: v for k, v in track.best.items() if k != "dev"}
     _write_json(run.root / "best.json", {**best, "current": track.current})
+    if cfg.best_search:
+        done = run.stage("search_on_best", st.best_search_stage(cfg, sets, track.best["model"], prm))
+        write_results(run, history, done)
     return {h["round"]: h["eval"]["success"] for h in history}
+
+
+def write_results(run: Run, history: list[dict[str, Any]], best_search: dict[str, Any] | None = None) -> None:
+    """``results.json`` from the rounds so far (and the search on the best checkpoint, once run);
+    ``hours`` counts every recorded stage."""
+    from .loop_report import results_record
+
+    seconds = stage_seconds(history) + (best_search or {}).get("seconds", 0.0)
+    _write_json(run.root / "results.json", results_record(
+        run.cfg, history, command=shlex.join(["omrl", *sys.argv[1:]]), git=git_commit(),
+        hours=seconds / 3600, search_on_best=(best_search or {}).get("record")))
 
 
 def git_commit() -> str | None:

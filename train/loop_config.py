@@ -92,6 +92,11 @@ class LoopConfig(BaseModel):
     test_limit: int = Field(200, ge=1)
     eval_strategies: str = "react,best_of_n,mcts"
     eval_budgets: str = "tokens=1000,4000"
+    # after the last round: one search on the test split with the best checkpoint (and the last
+    # round's PRM, which value=auto uses), results.json's search_on_best; None: not run. Adding
+    # it to a finished run runs only this search (loop.json does not pin it)
+    best_search: str | None = None
+    best_budget: str = "tokens=5000"
     progress: bool = True
 
     def check(self) -> None:
@@ -104,6 +109,12 @@ class LoopConfig(BaseModel):
         parse_budgets(self.eval_budgets)
         if len(parse_budgets(self.dev_budget)[1]) != 1:
             raise ValueError(f"dev_budget: one budget, got {self.dev_budget!r}")
+        if self.best_search is not None:
+            if len(split_strategies(self.best_search)) != 1:
+                raise ValueError(f"best_search: one strategy, got {self.best_search!r}")
+            make_strategy(self.best_search)
+            if len(parse_budgets(self.best_budget)[1]) != 1:
+                raise ValueError(f"best_budget: one budget, got {self.best_budget!r}")
         if self.schedule is not None and not self.schedule:
             raise ValueError("schedule: at least one round's trainers")
         for name in self.first + self.then + sum(self.schedule or [], []) + list(self.trainer_settings):

@@ -350,6 +350,23 @@ def eval_stage(cfg: "LoopConfig", sets: TaskSets, model: str, prm: str | None):
     return run
 
 
+def best_search_stage(cfg: "LoopConfig", sets: TaskSets, model: str, prm: str | None):
+    """After the last round: ``best_search`` at ``best_budget`` on the test split with the best
+    checkpoint; ``record`` is results.json's ``search_on_best``."""
+    def run(d: Path) -> dict[str, Any]:
+        _bench(cfg, sets.test(), cfg.best_search, cfg.best_budget, model, prm, d)
+        summary = json.loads((d / "summary.json").read_text())
+        ((_, per),) = summary["strategies"].items()
+        ((budget, s),) = per.items()
+        record = {"strategy": s["strategy"], "budget": budget, "policy": policy_spec(model), "prm": prm,
+                  **{k: s[k] for k in ("tasks", "successes", "ci_low", "ci_high")},
+                  "tokens_per_task": round((s["prompt_tokens"] + s["completion_tokens"]) / s["tasks"]),
+                  "rm_tokens_per_task": round(s["rm_tokens"] / s["tasks"]),
+                  "verifier_in_loop": s.get("verifier_in_loop", False)}
+        return {"record": record, "host": summary["config"].get("host"), "dtype": summary["config"].get("dtype")}
+    return run
+
+
 def dev_outcomes(folder: Path) -> dict[str, dict[str, bool]]:
     """A dev evaluation's outcomes per strategy (its one budget)."""
     return {name: next(iter(per.values())) for name, per in bench_outcomes(folder).items()}
