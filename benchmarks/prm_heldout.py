@@ -13,6 +13,9 @@ whether the state after each step can still be solved; a finished step is its su
 ground truth, free of the noise of Monte-Carlo values from a few leaves, so it tells whether a
 weak figure is the PRM's or the labels'. ``--labels q``: MCTS Q-values with proven wins/losses.
 
+``--prm implicit:POLICY[,ref=REF][,beta=B]`` scores the implicit PRM of a policy trained on
+outcomes (beta times the summed log-ratio against its reference, squashed) the same way.
+
 ``--mc-vs-exact`` (no PRM) scores the Monte-Carlo labels themselves against the exact ones on the
 same steps: how much of a PRM's shortfall the MC labels alone would explain.
 
@@ -62,7 +65,8 @@ def mc_vs_exact(results_files):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", nargs="+", help="results.jsonl files of searches on held-out tasks")
-    ap.add_argument("--prm", help="a trained PRM folder (not with --mc-vs-exact)")
+    ap.add_argument("--prm", help="a trained PRM folder, or implicit:POLICY[,ref=REF][,beta=B] "
+                                  "(the implicit PRM; not with --mc-vs-exact)")
     ap.add_argument("--mc-vs-exact", action="store_true",
                     help="no PRM: the trees' own MC labels scored against exact labels")
     ap.add_argument("--labels", choices=("mc", "q", "exact"), default="mc",

@@ -40,7 +40,7 @@ from omrl_search.specs import SpecError, coerce
 from omrl_search.tree import Trajectory
 from omrl_search.types import GenRequest, SamplingParams, Usage
 
-from .inputs import episode_from_trajectory, first_messages
+from .inputs import Episode, episode_from_trajectory, first_messages
 
 OPTIONS = ("ref", "beta", "squash")
 SQUASHES = ("sigmoid", "none")
@@ -77,19 +77,31 @@ class ImplicitPRM(RewardModel):
         """Per prefix, the raw step rewards ``r_t`` and the tokens both models ran for them
         (as ``prompt_tokens``; memoised steps run none). Every step not scored before is scored
         in one call per model, steps after the same prefix in one request."""
+        return self._rewards([(traj.task.task_id, episode_from_trajectory(traj), make_format(traj.agent),
+                               {"task": traj.task}) for traj in prefixes])
+
+    def score_episodes(self, episodes: list[Episode]) -> list[list[float]]:
+        """Per episode (a label-file row's: :func:`reward_models.inputs.episode_from_row`), the
+        squashed running sum at each step, the way a trained PRM's ``score_episodes`` scores a
+        row; so held-out yardsticks (``benchmarks/prm_heldout.py``) score both alike."""
+        steps, _ = self._rewards([(json.dumps(first_messages(ep)), ep, make_format("react"), {})
+                                  for ep in episodes])  # the observation turn is one for every format
+        return [self._values(rewards) for rewards in steps]
+
+    def _rewards(self, episodes: list[tuple[str, Episode, Any, dict[str, Any]]]
+                 ) -> tuple[list[list[float]], list[Usage]]:
+        """:meth:`rewards_and_usage` of ``(key, episode, format, request meta)`` items, where
+        ``key`` names the episode's start (its task) for the memo."""
         plans, requests, groups = [], {}, {}
-        for traj in prefixes:
-            ep = episode_from_trajectory(traj)
-            fmt = make_format(traj.agent)
+        for start, ep, fmt, meta in episodes:
             messages = first_messages(ep)
             keys = []
             for i, completion in enumerate(ep.completions):
-                prefix = (traj.task.task_id, tuple(ep.completions[:i]), tuple(ep.observations[:i]))
+                prefix = (start, tuple(ep.completions[:i]), tuple(ep.observations[:i]))
                 keys.append((prefix, completion))
                 if (prefix, completion) not in self._memo:
                     if prefix not in requests:
-                        requests[prefix] = GenRequest(list(messages), SamplingParams(),
-                                                      None, {"task": traj.task})
+                        requests[prefix] = GenRequest(list(messages), SamplingParams(), None, meta)
                         groups[prefix] = []
                     if completion not in groups[prefix]:
                         groups[prefix].append(completion)
@@ -140,14 +152,15 @@ class ImplicitPRM(RewardModel):
         """Per step, the (squashed) running sum of the step rewards up to it, with the tokens
         run for each prefix."""
         steps, usage = self.rewards_and_usage(prefixes)
-        out = []
-        for rewards in steps:
-            total, values = 0.0, []
-            for r in rewards:
-                total += r
-                values.append(sigmoid(total) if self.squash == "sigmoid" else total)
-            out.append(values)
-        return Scored(out, usage)
+        return Scored([self._values(rewards) for rewards in steps], usage)
+
+    def _values(self, rewards: list[float]) -> list[float]:
+        """The (squashed) running sums of step rewards."""
+        total, values = 0.0, []
+        for r in rewards:
+            total += r
+            values.append(sigmoid(total) if self.squash == "sigmoid" else total)
+        return values
 
     def score(self, prefixes: list[Trajectory]) -> list[list[float]]:
         return self.scored(prefixes).steps

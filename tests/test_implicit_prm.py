@@ -189,3 +189,24 @@ def test_listed_and_guides_beam_like_a_prm(policy_model, ref_model):
         scored = [n.score for n in r.tree.nodes if n.score is not None]
         assert scored and all(0 < s < 1 for s in scored) and len(set(scored)) > 1
     assert math.isfinite(sum(n.score or 0 for r in results for n in r.tree.nodes))
+
+
+def test_label_rows_score_as_their_trajectory_does(policy_model, ref_model, trajectory, tmp_path):
+    """``benchmarks/prm_heldout.py --prm implicit:...`` scores label-file rows: a row scores as the
+    trajectory it came from, and the held-out yardstick runs on saved trees with exact labels."""
+    from reward_models.inputs import Episode, episode_from_trajectory
+    from train.loop_prm import heldout
+
+    spec = f"implicit:hf:{policy_model}:dtype=float32,ref=hf:{ref_model}:dtype=float32,beta=0.5"
+    want = make_reward_model(spec).score([trajectory])[0]
+    ep = episode_from_trajectory(trajectory)
+    row = Episode(ep.prompt, ep.completions, ep.observations, None, None)  # what a label row holds
+    assert make_reward_model(spec).score_episodes([row])[0] == pytest.approx(want, abs=1e-5)
+
+    tasks = om.load_tasks("game24", "test", limit=2)
+    results = om.search_many(tasks, strategy="best_of_n:n=3", policy="scripted:oracle:p=0.5", seed=1)
+    om.write_results(tmp_path / "results.jsonl", results)
+    out = heldout(spec, [tmp_path / "results.jsonl"], labels="exact")
+    steps = out["all"]["calibration"]["steps"]
+    assert out["results"] == 2 and steps > 0
+    assert all(0.0 < b["mean_pred"] < 1.0 for b in out["all"]["calibration"]["bins"])

@@ -55,7 +55,12 @@ def calibration(model_dir: str | Path, label_dirs: Sequence[str], val_fraction: 
     _, val = split_rows(rows, val_fraction)
     if not val:
         return None
-    prm = ProcessRewardModel.from_pretrained(str(model_dir), device="cpu", dtype="float32")
+    if str(model_dir).startswith("implicit:"):  # a reward model spec: PRIME's implicit PRM
+        from omrl_search.reward import make_reward_model
+
+        prm = make_reward_model(str(model_dir))
+    else:
+        prm = ProcessRewardModel.from_pretrained(str(model_dir), device="cpu", dtype="float32")
     preds, gold, ends = step_predictions(prm, val)
     ip, iy = before_end(preds, gold, ends)
     return {"all": reliability(preds, gold), "before_end": reliability(ip, iy) if ip else None}
@@ -63,7 +68,8 @@ def calibration(model_dir: str | Path, label_dirs: Sequence[str], val_fraction: 
 
 def heldout(model_dir: str | Path, results_files: Sequence[str | Path], labels: str = "mc"
             ) -> dict[str, Any] | None:
-    """Step AUC and calibration of the PRM in ``model_dir`` on the search trees of
+    """Step AUC and calibration of the PRM in ``model_dir`` (or of ``implicit:POLICY,...``, the
+    implicit PRM of :mod:`reward_models.implicit`) on the search trees of
     ``results_files`` (held-out tasks), labelled by Monte-Carlo values of each tree's own finished
     leaves (no extra rollouts): ``{"results", "all": metrics, "before_end": metrics}``, each
     metrics dict ``step_metrics`` plus ``calibration``; None when no step is labelled.
@@ -77,7 +83,12 @@ def heldout(model_dir: str | Path, results_files: Sequence[str | Path], labels: 
     rows = label_results(results, rollouts=0, soft=labels)
     if not rows:
         return None
-    prm = ProcessRewardModel.from_pretrained(str(model_dir), device="cpu", dtype="float32")
+    if str(model_dir).startswith("implicit:"):  # a reward model spec: PRIME's implicit PRM
+        from omrl_search.reward import make_reward_model
+
+        prm = make_reward_model(str(model_dir))
+    else:
+        prm = ProcessRewardModel.from_pretrained(str(model_dir), device="cpu", dtype="float32")
     preds, gold, ends = step_predictions(prm, rows)
     if not preds:
         return None
