@@ -38,6 +38,21 @@ def test_rules_on_the_saved_chains_match_the_searches_own_choices(tmp_path):
     assert vs["a_only"] == 0 and vs["b_only"] == rules["rm"]["successes"] - rules["vote"]["successes"]
 
 
+def test_a_reward_model_given_rescores_the_same_chains(tmp_path):
+    """Chains saved without useful scores (a format rule scores every chain alike), rescored by
+    the outcome rule: the rm rule then reaches pass@N, as when the search used that rule."""
+    tasks = om.load_tasks("game24", "test", limit=12)
+    om.write_results(tmp_path / "trees.jsonl", om.search_many(
+        tasks, strategy="best_of_n:n=4,select_by=rm", reward_model="rules:format=1",
+        policy="scripted:oracle:p=0.6", seed=3))
+    plain = json.loads(_run(tmp_path / "trees.jsonl").stdout.strip().splitlines()[-1])["rules"]
+    done = _run(tmp_path / "trees.jsonl", "--reward-model", "rules:outcome=1")
+    assert done.returncode == 0, done.stderr
+    rescored = json.loads(done.stdout.strip().splitlines()[-1])["rules"]
+    assert rescored["rm"]["successes"] == rescored["pass@n"]["successes"] > plain["rm"]["successes"]
+    assert rescored["vote"] == plain["vote"]
+
+
 def test_bad_input_is_one_line_and_exit_2(tmp_path):
     tasks = om.load_tasks("game24", "test", limit=2)
     om.write_results(tmp_path / "vote.jsonl", om.search_many(
