@@ -6,7 +6,7 @@ bundled SmolLM2-135M (Q4_1 GGUF) on two backends:
 
 * ``inproc``: ``smollm2:llamacpp`` (llama.cpp in this process);
 * ``openai``: llama-cpp-python's OpenAI-compatible server on the same GGUF (a subprocess,
-  ``omrl_search.backends._llamacpp_server``) through ``openai:URL#smollm2`` (chat endpoint).
+  ``omrl_search.backends.llamacpp_server``) through ``openai:URL#smollm2`` (chat endpoint).
 
 Both use ``--threads`` threads and flash attention off (the server's default), so they run the
 same model with the same numerics; they draw different random numbers, so the samples differ and
@@ -54,7 +54,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from omrl_search import load_tasks, search_many
-    from omrl_search.backends._llamacpp_server import serving
+    from omrl_search.backends.llamacpp_server import serving
     from omrl_search.backends.smollm2 import gguf_path
     from omrl_search.policy import make_policy
     from omrl_search.types import SamplingParams

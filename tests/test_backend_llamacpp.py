@@ -355,7 +355,7 @@ def test_server_with_its_state_cache_answers_the_same() -> None:
     a prompt asked again after another one (its state restored from the cache) gets the same
     greedy answer."""
     pytest.importorskip("llama_cpp.server")
-    from omrl_search.backends._llamacpp_server import serving
+    from omrl_search.backends.llamacpp_server import serving
     from omrl_search.backends.openai import OpenAIPolicy
 
     with serving(GGUF, alias="smollm2", threads=1, n_ctx=512, prefix_cache_mb=64) as url:

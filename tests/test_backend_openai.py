@@ -338,7 +338,7 @@ def llama_server():
     """python -m llama_cpp.server on the bundled GGUF (with llama.cpp's AMX kernels off: they
     segfault on this CPU), started for this module and stopped by its PID."""
     pytest.importorskip("llama_cpp.server")
-    from omrl_search.backends._llamacpp_server import serving
+    from omrl_search.backends.llamacpp_server import serving
     from omrl_search.backends.smollm2 import gguf_path
 
     with serving(gguf_path(), alias="smollm2", threads=1) as url:

@@ -1,6 +1,6 @@
 """llama-cpp-python's OpenAI-compatible server, with llama.cpp's extra CPU buffer types off.
 
-``python -m omrl_search.backends._llamacpp_server --model FILE.gguf --host 127.0.0.1 --port 8000``
+``python -m omrl_search.backends.llamacpp_server --model FILE.gguf --host 127.0.0.1 --port 8000``
 takes the arguments of ``python -m llama_cpp.server`` and runs it after one change: models load
 with ``use_extra_bufts = False``. With them on, llama.cpp picks its AMX kernels for Q4_1 weights
 on CPUs with AMX (Sapphire Rapids and later, like the development VM) and the server dies with a
