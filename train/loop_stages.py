@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import omrl_search as om
-from omrl_search.bench import bench
+from omrl_search.bench import bench, per_task
 from omrl_search.exports import ExportError, export
 from omrl_search.host import host_info, policy_dtype
 from omrl_search.policy import make_policy
@@ -360,8 +360,8 @@ def best_search_stage(cfg: "LoopConfig", sets: TaskSets, model: str, prm: str | 
         ((budget, s),) = per.items()
         record = {"strategy": s["strategy"], "budget": budget, "policy": policy_spec(model), "prm": prm,
                   **{k: s[k] for k in ("tasks", "successes", "ci_low", "ci_high")},
-                  "tokens_per_task": round((s["prompt_tokens"] + s["completion_tokens"]) / s["tasks"]),
-                  "rm_tokens_per_task": round(s["rm_tokens"] / s["tasks"]),
+                  "tokens_per_task": round(per_task(s, "tokens")),
+                  "rm_tokens_per_task": round(per_task(s, "rm_tokens")),
                   "verifier_in_loop": s.get("verifier_in_loop", False)}
         return {"record": record, "host": summary["config"].get("host"), "dtype": summary["config"].get("dtype")}
     return run
