@@ -82,12 +82,38 @@ def test_without_dynamic_sampling_flat_groups_stay(tiny_agent_model, tmp_path):
     assert len(_spread(rows)) == 2
 
 
-def test_a_round_with_only_flat_groups_stops_at_the_cap(tiny_agent_model, tmp_path):
-    # one step of game24 never solves it: every group is flat
-    runner = _runner(tiny_agent_model, tmp_path / "o", online={"max_depth": 1, "max_sampling_tries": 3})
-    with pytest.raises(TrainError, match=r"3 sampling passes gave no trainable group \(6 groups, 6 with equal"):
+def test_rounds_with_only_flat_groups_stop_the_run_at_the_cap(tiny_agent_model, tmp_path):
+    # one step of game24 never solves it: every group is flat, round after round
+    runner = _runner(tiny_agent_model, tmp_path / "o",
+                     online={"max_depth": 1, "max_sampling_tries": 3, "max_empty_rounds": 2})
+    with pytest.raises(TrainError, match=r"2 rounds in a row gave no trainable group \(the last: "
+                                         r"3 sampling passes, 6 groups, 6 with equal"):
         runner.train()
-    assert runner.source.passes == 3
+    assert runner.source.passes == 6 and runner.source.empty_total == 2
+
+
+def test_an_empty_round_is_sampled_again_and_the_run_goes_on(tiny_agent_model, tmp_path):
+    # the first round's passes are all flat (one step never solves game24); from the second
+    # round the searches may run to the end, so groups are mixed again and training continues
+    runner = _runner(tiny_agent_model, tmp_path / "o", max_steps=2,
+                     online={"max_sampling_tries": 2, "min_groups": 1})
+    source = runner.source
+    real_search = source._search
+
+    def search(runner_, tasks, seed):
+        if source.round == 0:
+            return om.search_many(tasks, strategy=source.on.strategy, policy=source.policy_spec,
+                                  seed=seed, max_depth=1)
+        return real_search(runner_, tasks, seed)
+
+    source._search = search
+    runner.train()
+    logged = _metrics(tmp_path / "o")
+    assert [m["step"] for m in logged] == [1, 2]  # both updates made
+    assert source.empty_total == 1 and logged[0]["rounds_empty_total"] == 1
+    assert logged[0]["round"] == 2  # the empty round was counted, then sampled again
+    assert source.passes >= 3  # 2 flat passes, then the trainable round's
+    assert logged[0]["groups_kept"] >= 1
 
 
 def test_offline_grpo_drops_and_counts_flat_groups(tiny_agent_model, tmp_path):

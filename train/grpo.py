@@ -27,7 +27,9 @@ group whose rewards are all equal has zero advantage everywhere and would make a
 nothing, so such groups are dropped and counted (``groups_flat`` in the metrics) before the
 update. Online, a round then samples more tasks (``tasks_per_round`` at a time) until it has
 ``online.min_groups`` informative groups or has sampled ``online.max_sampling_tries`` times,
-and trains on what it has (a round with none after the cap is an error, naming the counts).
+and trains on what it has. A round with none after the cap makes no update: it is counted
+(``rounds_empty_total``) and sampled again on the next tasks; ``online.max_empty_rounds`` such
+rounds in a row (default 4) stop the run with an error naming the counts.
 Offline, the flat groups of the file are dropped and counted once.
 
 **Constrained rollouts** (``online.constrain``, ``auto`` by default: the env's grammar where it
@@ -106,6 +108,9 @@ class OnlineSettings(BaseModel):
     # and how many times a round may sample tasks_per_round tasks to get them
     min_groups: int | None = Field(None, ge=1)
     max_sampling_tries: int = Field(4, ge=1)
+    # a round whose passes found no trainable group is sampled again on the next tasks (counted
+    # as rounds_empty_total, no update); this many such rounds in a row stop the run with an error
+    max_empty_rounds: int = Field(4, ge=1)
     executor: str = "local"  # or e.g. "ray:workers=4": sample on Ray actors, weights pushed per round
     ray_address: str | None = None  # join this Ray cluster ("auto", "ray://HEAD:10001")
 
@@ -227,7 +232,7 @@ class RolloutSource:
         self.cfg, self.on, self.tasks, self.builder = cfg, cfg.online, tasks, builder
         self.tok = hf_tokenizer
         self.round, self.cursor, self.passes, self.version = 0, 0, 0, 0
-        self.flat_total = 0.0
+        self.flat_total, self.empty_total = 0.0, 0.0
         self.pending: list[list[TokenRow]] = []
         self.stats: dict[str, float] = {}
         self.last_fault = ""
@@ -280,9 +285,31 @@ class RolloutSource:
         return self.pending.pop(0)
 
     def _rollout(self, runner: Runner) -> None:
-        """One round: sampling passes of ``tasks_per_round`` tasks until the round has
-        ``min_groups`` informative groups (dynamic sampling) or any trainable group (without),
-        or ``max_sampling_tries`` passes; then the round's micro-batches."""
+        """One round's micro-batches. A round whose sampling passes found no trainable group
+        makes no update: it is counted (``rounds_empty_total``) and sampled again on the next tasks,
+        up to ``max_empty_rounds`` in a row, so one unlucky round does not end a long run."""
+        for _ in range(self.on.max_empty_rounds):
+            rows = self._sample_round(runner)
+            if rows:
+                break
+            self.empty_total += 1
+        else:
+            why = f"; e.g. {self.last_fault}" if self.last_fault else ""
+            raise TrainError(f"online GRPO: {self.on.max_empty_rounds} rounds in a row gave no trainable "
+                             f"group (the last: {int(self.stats['sampling_passes'])} sampling passes, "
+                             f"{int(self.stats['groups_sampled'])} groups, "
+                             f"{int(self.stats['groups_flat'])} with equal rewards{why})")
+        rows = assign_advantages(rows, self.cfg.advantage, self.cfg.process_rewards)
+        n_mb = self.on.steps_per_round * self.cfg.grad_accum
+        random.Random(self.cfg.seed * 7919 + self.round).shuffle(rows)
+        size = -(-len(rows) // n_mb)  # the round's rows split evenly (cycled when too few)
+        cyc = rows * (1 + (size * n_mb) // len(rows))
+        self.pending = [cyc[i * size:(i + 1) * size] for i in range(n_mb)]
+
+    def _sample_round(self, runner: Runner) -> list[TokenRow]:
+        """Sampling passes of ``tasks_per_round`` tasks until the round has ``min_groups``
+        informative groups (dynamic sampling) or any trainable group (without), or
+        ``max_sampling_tries`` passes: the round's rows (none when every group was flat)."""
         on, dynamic = self.on, drops_flat(self.cfg)
         need = (on.min_groups or on.tasks_per_round) if dynamic else 1
         rows: list[TokenRow] = []
@@ -307,19 +334,10 @@ class RolloutSource:
                       "rollout_reward": sum(r.reward for r in rows) / len(rows) if rows else 0.0,
                       "rollout_rows": float(len(rows)), "round": float(self.round),
                       "sampling_passes": float(passes), **counts, "groups_flat_total": self.flat_total}
+        self.stats["rounds_empty_total"] = self.empty_total
         if self.remote:
             self.stats["pushed_version"] = float(self.version)
-        if not rows:
-            why = f"; e.g. {self.last_fault}" if self.last_fault else ""
-            raise TrainError(f"online GRPO: {passes} sampling passes gave no trainable group "
-                             f"({int(counts['groups_sampled'])} groups, {int(counts['groups_flat'])} "
-                             f"with equal rewards{why})")
-        rows = assign_advantages(rows, self.cfg.advantage, self.cfg.process_rewards)
-        n_mb = on.steps_per_round * self.cfg.grad_accum
-        random.Random(self.cfg.seed * 7919 + self.round).shuffle(rows)
-        size = -(-len(rows) // n_mb)  # the round's rows split evenly (cycled when too few)
-        cyc = rows * (1 + (size * n_mb) // len(rows))
-        self.pending = [cyc[i * size:(i + 1) * size] for i in range(n_mb)]
+        return rows
 
     def _sample_pass(self, runner: Runner, offset: int) -> tuple[list[TokenRow], list[Any]]:
         """Search the next ``tasks_per_round`` tasks with the live weights: their GRPO rows
@@ -372,13 +390,15 @@ class RolloutSource:
 
     def state_dict(self) -> dict[str, Any]:
         return {"round": self.round, "cursor": self.cursor, "pending": self.pending,
-                "stats": self.stats, "passes": self.passes, "flat_total": self.flat_total}
+                "stats": self.stats, "passes": self.passes, "flat_total": self.flat_total,
+                "empty_total": self.empty_total}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.round, self.cursor = state["round"], state["cursor"]
         self.pending, self.stats = state["pending"], state["stats"]
         self.passes = state.get("passes", self.round)
         self.flat_total = state.get("flat_total", 0.0)
+        self.empty_total = state.get("empty_total", 0.0)
 
 
 def check_grammars_recorded(results: list[Any]) -> None:
