@@ -92,6 +92,9 @@ def test_killed_loop_resumes_to_the_unbroken_result(tiny_agent_model, tmp_path):
     for png in ("learning_curve.png", "tokens_per_solved.png"):  # the report's two curves
         assert (whole / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert results["search_on_best"] is None
+    # the checkpoint keep-best hands back, on the test split, against the base on the same tasks
+    assert results["best"]["model"] == json.loads((whole / "best.json").read_text())["model"]
+    assert results["best"]["heldout"]["tasks"] == 2 and results["best"]["vs_base"]["p_value"] <= 1.0
 
     # the search on the best checkpoint, added to the finished run: only that stage runs
     before = {p: p.stat().st_mtime_ns for p in whole.glob("round_*/*/stage.json")}
@@ -110,6 +113,7 @@ def test_killed_loop_resumes_to_the_unbroken_result(tiny_agent_model, tmp_path):
     assert found["strategy"].startswith("best_of_n:n=2")
     assert (found["tasks"], found["successes"]) == (row["tasks"], row["successes"]) == (2, row["successes"])
     assert found["tokens_per_task"] == round((row["prompt_tokens"] + row["completion_tokens"]) / 2) > 0
+    assert set(found["vs_best_greedy"]) == {"b_only", "a_only", "p_value"}
 
     broken = tmp_path / "broken"
     proc = subprocess.Popen(_cmd(_argv(tiny_agent_model, broken)), env=env, cwd=ROOT,

@@ -72,6 +72,52 @@ def test_a_worse_first_stage_leaves_the_base_as_best(tmp_path, fake_trainers, mo
     assert best["model"] == cfg.policy and best["where"] == "round 0, base" and best["current"] == cfg.policy
     test = json.loads((tmp_path / "run/round_1/eval/stage.json").read_text())
     assert test["policy"] == cfg.policy  # the round's held-out eval is of the kept policy
+    # the best was evaluated in round 0 already: results.json's best is that row, no eval of its own
+    results = json.loads((tmp_path / "run/results.json").read_text())
+    assert not (tmp_path / "run/eval_best").exists()
+    assert results["best"]["heldout"] == results["rounds"][0]["heldout"]
+    assert results["best"]["vs_base"] == {"b_only": 0, "a_only": 0, "p_value": 1.0}
+
+
+def _outcomes(folder) -> dict[str, bool]:
+    rows = [json.loads(line) for line in (folder / "outcomes.jsonl").read_text().splitlines()]
+    return {r["task_id"]: bool(r["success"]) for r in rows}
+
+
+def test_a_best_no_round_evaluated_gets_its_own_test_eval_and_record(tmp_path, fake_trainers, monkeypatch):
+    import jsonschema
+
+    from train.loop_report import RESULTS_SCHEMA
+
+    # round 1 trains sft (the best: never deviates) then rs_sft (kept, not better): the round's
+    # eval is of rs_sft's policy, so the checkpoint handed back has no test figure from the rounds
+    monkeypatch.setitem(PRODUCES, "sft", "scripted:oracle:p=0.0")
+    monkeypatch.setitem(PRODUCES, "rs_sft", "scripted:oracle:p=0.02")
+    cfg = _cfg(tmp_path, rounds=1, first=["sft", "rs_sft"], policy="scripted:oracle:p=0.6",
+               best_search="best_of_n:n=2", best_budget="tokens=100000")
+    run_loop(cfg)
+    root = tmp_path / "run"
+    best = json.loads((root / "best.json").read_text())
+    assert (best["model"], best["current"]) == (PRODUCES["sft"], PRODUCES["rs_sft"])
+    own = json.loads((root / "eval_best/stage.json").read_text())
+    assert own["policy"] == PRODUCES["sft"]
+    results = json.loads((root / "results.json").read_text())
+    jsonschema.validate(results, RESULTS_SCHEMA)
+    record = results["best"]
+    assert (record["model"], record["where"]) == (PRODUCES["sft"], "round 1, sft")
+    assert record["heldout"]["successes"] == own["rows"]["react"]["tokens=100000"]["successes"]
+    base, mine = _outcomes(root / "round_0/eval"), _outcomes(root / "eval_best")
+    # McNemar's b_only: solved by the later run alone (the best; then the search)
+    assert record["vs_base"]["b_only"] == sum(mine[t] and not base[t] for t in base) > 0
+    assert record["vs_base"]["a_only"] == sum(base[t] and not mine[t] for t in base)
+    searched = _outcomes(root / "search_on_best")
+    vs = results["search_on_best"]["vs_best_greedy"]
+    assert (vs["b_only"], vs["a_only"]) == (sum(searched[t] and not mine[t] for t in mine),
+                                            sum(mine[t] and not searched[t] for t in mine))
+    # the stage is a stage: run again, nothing is redone
+    before = {p: p.stat().st_mtime_ns for p in root.glob("**/stage.json")}
+    run_loop(cfg)
+    assert {p: p.stat().st_mtime_ns for p in root.glob("**/stage.json")} == before
 
 
 def test_the_dev_slice_is_disjoint_by_puzzle_from_everything_searched(tmp_path, fake_trainers):

@@ -163,21 +163,26 @@ def run_loop(cfg: LoopConfig) -> dict[str, Any]:
         write_results(run, history)
     best = {k: v for k, v in track.best.items() if k != "dev"}
     _write_json(run.root / "best.json", {**best, "current": track.current})
+    if cfg.dev_limit:  # the checkpoint handed back, on the test split (once, if no round's eval was it)
+        if st.policy_spec(best["model"]) not in {h["eval"].get("policy") for h in history}:
+            best["eval"] = run.stage("eval_best", st.eval_stage(cfg, sets, best["model"], prm))
+        write_results(run, history, best=best)
     if cfg.best_search:
         done = run.stage("search_on_best", st.best_search_stage(cfg, sets, track.best["model"], prm))
-        write_results(run, history, done)
+        write_results(run, history, done, best=best if cfg.dev_limit else None)
     return {h["round"]: h["eval"]["success"] for h in history}
 
 
-def write_results(run: Run, history: list[dict[str, Any]], best_search: dict[str, Any] | None = None) -> None:
-    """``results.json`` from the rounds so far (and the search on the best checkpoint, once run);
-    ``hours`` counts every recorded stage."""
+def write_results(run: Run, history: list[dict[str, Any]], best_search: dict[str, Any] | None = None,
+                  best: dict[str, Any] | None = None) -> None:
+    """``results.json`` from the rounds so far (and, once the rounds are over, the best
+    checkpoint's held-out figures and the search on it); ``hours`` counts every recorded stage."""
     from .loop_report import results_record
 
-    seconds = stage_seconds(history) + (best_search or {}).get("seconds", 0.0)
+    seconds = stage_seconds(history) + sum((x or {}).get("seconds", 0.0) for x in (best_search, (best or {}).get("eval")))
     _write_json(run.root / "results.json", results_record(
         run.cfg, history, command=shlex.join(["omrl", *sys.argv[1:]]), git=git_commit(),
-        hours=seconds / 3600, search_on_best=(best_search or {}).get("record")))
+        hours=seconds / 3600, search_on_best=(best_search or {}).get("record"), best=best))
 
 
 def git_commit() -> str | None:

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from omrl_search.host import describe
-from omrl_search.stats import fmt_paired, fmt_rate, paired
+from omrl_search.stats import fmt_paired, fmt_rate, mcnemar, paired
 
-from .loop_stages import bench_outcomes
+from .loop_stages import bench_outcomes, policy_spec
 
 
 def _na(x: Any, fmt: str = ".3f") -> str:
@@ -157,18 +157,23 @@ RESULTS_SCHEMA = {
                 "vs_previous": {"type": ["object", "null"], "required": ["b_only", "a_only", "p_value"]},
                 "train_search": {"type": ["object", "null"], "required": ["tasks", "successes", "rows"]}}}},
         "search_on_best": {"type": ["object", "null"], "required": ["strategy", "tasks", "successes",
-                                                                    "tokens_per_task", "ci_low", "ci_high"]}}}
+                                                                    "tokens_per_task", "ci_low", "ci_high"]},
+        # written once the rounds are over (a loop with a dev slice): the checkpoint keep-best hands back
+        "best": {"type": ["object", "null"], "required": ["model", "where", "heldout", "vs_base"],
+                 "properties": {"heldout": _RATE}}}}
 
 
 def results_record(cfg: Any, history: list[dict[str, Any]], *, command: str, git: str | None,
-                   hours: float, search_on_best: dict[str, Any] | None = None) -> dict[str, Any]:
+                   hours: float, search_on_best: dict[str, Any] | None = None,
+                   best: dict[str, Any] | None = None) -> dict[str, Any]:
     """``OUT/results.json``: per round the kept policy's held-out success on the first eval
     strategy and budget (greedy by default) with its Wilson interval, against the round before
     on the same tasks (exact McNemar), and the round's train-split search (tasks, successes,
     rows per export); ``search_on_best`` is the separate search on the kept checkpoint when one
-    was run (None otherwise). Schema: :data:`RESULTS_SCHEMA`."""
-    from omrl_search.stats import mcnemar
-
+    was run (None otherwise), with ``vs_best_greedy`` when ``best`` is given. ``best`` (keep-best's
+    ``model`` and ``where``, and ``eval``: its own test eval when no round's was of it) becomes
+    the record's ``best``: its held-out success and ``vs_base``, the base policy on the same
+    tasks. Schema: :data:`RESULTS_SCHEMA`."""
     name = next(iter(history[0]["eval"]["rows"]))  # the rows follow eval_strategies' order
     budget = next(iter(history[0]["eval"]["rows"][name]))
     outs = {h["round"]: bench_outcomes(Path(cfg.out) / f"round_{h['round']}" / "eval") for h in history}
@@ -177,10 +182,7 @@ def results_record(cfg: Any, history: list[dict[str, Any]], *, command: str, git
     for h in history:
         r, row = h["round"], h["eval"]["rows"][name][budget]
         before, now = outs.get(r - 1, {}).get(name, {}).get(budget), outs[r].get(name, {}).get(budget)
-        vs = None
-        if r > 0 and before and now:
-            test = mcnemar(before, now)
-            vs = {k: test[k] for k in ("b_only", "a_only", "p_value")}
+        vs = _versus(before, now) if r > 0 else None
         search = None
         if r > 0:
             s = h["search"]["search"]
@@ -191,8 +193,38 @@ def results_record(cfg: Any, history: list[dict[str, Any]], *, command: str, git
                        "vs_previous": vs, "train_search": search})
     host = dict(last.get("host") or {})
     host["dtype"] = last.get("dtype")
-    return {"env": cfg.env, "command": command, "git": git, "host": host, "hours": round(hours, 3),
-            "heldout_strategy": f"{name}@{budget}", "rounds": rounds, "search_on_best": search_on_best}
+    record = {"env": cfg.env, "command": command, "git": git, "host": host, "hours": round(hours, 3),
+              "heldout_strategy": f"{name}@{budget}", "rounds": rounds, "search_on_best": search_on_best}
+    if best is not None:
+        record["best"], greedy = _best_record(cfg, history, best, name, budget, outs)
+        if search_on_best is not None:
+            (per,) = bench_outcomes(Path(cfg.out) / "search_on_best").values()
+            (searched,) = per.values()
+            record["search_on_best"] = {**search_on_best, "vs_best_greedy": _versus(greedy, searched)}
+    return record
+
+
+def _versus(before: dict[str, bool] | None, now: dict[str, bool] | None) -> dict[str, Any] | None:
+    """Exact McNemar of ``now`` against ``before`` on the same tasks (None without both)."""
+    if not before or not now:
+        return None
+    test = mcnemar(before, now)
+    return {k: test[k] for k in ("b_only", "a_only", "p_value")}
+
+
+def _best_record(cfg: Any, history: list[dict[str, Any]], best: dict[str, Any], name: str, budget: str,
+                 outs: dict[int, Any]) -> tuple[dict[str, Any], dict[str, bool] | None]:
+    """The best checkpoint's held-out record and its per-task outcomes, from its own eval
+    (``best["eval"]``, folder ``eval_best``) or from the round whose eval was of it."""
+    if best.get("eval"):
+        row, mine = best["eval"]["rows"][name][budget], bench_outcomes(Path(cfg.out) / "eval_best")
+    else:
+        h = next(h for h in history if h["eval"].get("policy") == policy_spec(best["model"]))
+        row, mine = h["eval"]["rows"][name][budget], outs[h["round"]]
+    mine = mine.get(name, {}).get(budget)
+    return {"model": best["model"], "where": best["where"],
+            "heldout": {k: row[k] for k in ("tasks", "successes", "ci_low", "ci_high")},
+            "vs_base": _versus(outs[0].get(name, {}).get(budget), mine)}, mine
 
 
 # --- learning curves ----------------------------------------------------------------------------------
