@@ -23,7 +23,7 @@ class ScriptedSource(grpo.RolloutSource):
 
     policy_spec = "scripted:oracle:p=0.4"
 
-    def _search(self, runner, tasks, seed):
+    def search(self, runner, tasks, seed):
         return om.search_many(tasks, strategy=self.on.strategy, policy=self.policy_spec, seed=seed,
                               max_depth=self.on.max_depth)
 
@@ -98,7 +98,7 @@ def test_an_empty_round_is_sampled_again_and_the_run_goes_on(tiny_agent_model, t
     runner = _runner(tiny_agent_model, tmp_path / "o", max_steps=2,
                      online={"max_sampling_tries": 2, "min_groups": 1})
     source = runner.source
-    real_search = source._search
+    real_search = source.search
 
     def search(runner_, tasks, seed):
         if source.round == 0:
@@ -106,7 +106,7 @@ def test_an_empty_round_is_sampled_again_and_the_run_goes_on(tiny_agent_model, t
                                   seed=seed, max_depth=1)
         return real_search(runner_, tasks, seed)
 
-    source._search = search
+    source.search = search
     runner.train()
     logged = _metrics(tmp_path / "o")
     assert [m["step"] for m in logged] == [1, 2]  # both updates made

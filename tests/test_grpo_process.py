@@ -120,7 +120,7 @@ def test_a_bad_process_rm_spec_is_one_error_line_and_writes_nothing(tmp_path, ca
 
 
 class ScriptedSource(grpo.RolloutSource):
-    def _search(self, runner, tasks, seed):
+    def search(self, runner, tasks, seed):
         return om.search_many(tasks, strategy=self.on.strategy, policy="scripted:oracle:p=0.4", seed=seed)
 
 

@@ -347,7 +347,7 @@ class RolloutSource:
         on = self.on
         tasks = [self.tasks[(self.cursor + i) % len(self.tasks)] for i in range(on.tasks_per_round)]
         self.cursor = (self.cursor + on.tasks_per_round) % len(self.tasks)
-        results = self._search(runner, tasks, self.cfg.seed * 100_003 + self.passes)
+        results = self.search(runner, tasks, self.cfg.seed * 100_003 + self.passes)
         self.passes += 1
         check_grammars_recorded(results)
         self.last_fault = next((f for r in results for f in r.faults), self.last_fault)
@@ -364,8 +364,9 @@ class RolloutSource:
             rows.append(seq)
         return rows, results
 
-    def _search(self, runner: Runner, tasks: list[Any], seed: int) -> list[Any]:
-        """The searches of one sampling pass, with the trainer's current policy."""
+    def search(self, runner: Runner, tasks: list[Any], seed: int) -> list[Any]:
+        """The searches of one sampling pass, with the trainer's current policy (override it to
+        search with another policy, as the tests do)."""
         from omrl_search import search_many
         from omrl_search.types import SamplingParams
 
