@@ -3,6 +3,8 @@ computation, the spread of step advantages over each turn's tokens, the ``proces
 grpo export fills from a reward model, and offline and online GRPO training with them."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -137,3 +139,17 @@ def test_online_grpo_scores_each_pass_with_the_process_model(tiny_agent_model, t
     assert runner.source.process_rm() is runner.source.process_rm()  # built once
     runner.train()
     assert all(r.step_advantages is not None for mb in runner.source.pending for r in mb)
+    logged = [json.loads(line) for line in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in logged if "loss" in m]
+    assert len(steps) == 2 and all(m["adv_process_abs"] > 0 and m["adv_outcome_abs"] > 0 for m in steps)
+
+
+def test_process_shift_is_the_mean_distance_of_step_from_outcome_advantages():
+    def row(advantage, steps=None):
+        return TokenRow([1, 2], [0, 1], [0.0, 0.0], False, advantage=advantage, step_advantages=steps)
+
+    a, b = row(1.0, [1.5, 0.5]), row(-1.0, [-1.2])
+    shift = grpo.process_shift([a, b])
+    assert shift["adv_outcome_abs"] == pytest.approx(1.0)
+    assert shift["adv_process_abs"] == pytest.approx((0.5 + 0.5 + 0.2) / 3)
+    assert grpo.process_shift([row(0.5)]) == {}  # outcome only: nothing to report

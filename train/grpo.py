@@ -182,6 +182,17 @@ def assign_advantages(rows: list[TokenRow], advantage: str,
     return rows
 
 
+def process_shift(rows: list[TokenRow]) -> dict[str, float]:
+    """How far dense process rewards moved the rows' advantages: the mean |outcome advantage|
+    (``adv_outcome_abs``) and the mean |step advantage - outcome advantage| over every turn
+    (``adv_process_abs``). A process term far below the outcome's barely changes the update."""
+    turns = [(r.advantage, a) for r in rows for a in (r.step_advantages or ())]
+    if not turns:
+        return {}
+    return {"adv_outcome_abs": sum(abs(o) for o, _ in turns) / len(turns),
+            "adv_process_abs": sum(abs(a - o) for o, a in turns) / len(turns)}
+
+
 def split_flat(rows: list[TokenRow]) -> tuple[list[TokenRow], dict[str, float]]:
     """``rows`` without the groups whose rewards are all equal (zero reward variance: no
     advantage, nothing to learn), and the counts ``groups_sampled``, ``groups_flat``,
@@ -300,6 +311,7 @@ class RolloutSource:
                              f"{int(self.stats['groups_sampled'])} groups, "
                              f"{int(self.stats['groups_flat'])} with equal rewards{why})")
         rows = assign_advantages(rows, self.cfg.advantage, self.cfg.process_rewards)
+        self.stats.update(process_shift(rows))
         n_mb = self.on.steps_per_round * self.cfg.grad_accum
         random.Random(self.cfg.seed * 7919 + self.round).shuffle(rows)
         size = -(-len(rows) // n_mb)  # the round's rows split evenly (cycled when too few)
