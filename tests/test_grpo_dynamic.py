@@ -64,7 +64,7 @@ def test_flat_groups_are_dropped_counted_and_replaced(tiny_agent_model, tmp_path
     assert any(m["groups_flat"] > 0 and m["sampling_passes"] > 1 for m in logged)  # replaced
     assert logged[-1]["groups_flat_total"] == sum(m["groups_flat"] for m in logged)
     runner.source.pending = []
-    runner.source._rollout(runner)
+    runner.source.rollout(runner)
     rows = [r for mb in runner.source.pending for r in mb]
     assert rows and all(len(v) > 1 for v in _spread(rows).values())
     assert any(r.advantage != 0 for r in rows)
@@ -76,7 +76,7 @@ def test_without_dynamic_sampling_flat_groups_stay(tiny_agent_model, tmp_path):
     logged = _metrics(tmp_path / "o")
     assert all(m["groups_flat"] == 0 and m["sampling_passes"] == 1 for m in logged)
     runner.source.pending = []
-    runner.source._rollout(runner)
+    runner.source.rollout(runner)
     rows = [r for mb in runner.source.pending for r in mb]
     assert rows and all(r.advantage == 0 for r in rows)  # this pass's groups are all flat
     assert len(_spread(rows)) == 2
@@ -150,7 +150,7 @@ def test_online_samples_are_written_in_the_agent_format_asked(tiny_agent_model, 
                           progress=False, dynamic_sampling=False, online=online)
     assert cfg.online.agent == agent
     runner = grpo.build(cfg)
-    rows, results = runner.source._sample_pass(runner, offset=0)
+    rows, results = runner.source.sample_pass(runner, offset=0)
     assert rows and len(results) == 2
     system = om.agent.make_format(agent).system
     other = om.agent.make_format("act" if agent == "react" else "react").system

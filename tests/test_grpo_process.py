@@ -134,7 +134,7 @@ def test_online_grpo_scores_each_pass_with_the_process_model(tiny_agent_model, t
     runner = grpo.build(cfg)
     runner.source.__class__ = ScriptedSource
     runner.source.reencode = runner.source.builder.encoder
-    rows, _ = runner.source._sample_pass(runner, offset=0)
+    rows, _ = runner.source.sample_pass(runner, offset=0)
     assert rows and all(r.process is not None and len(r.process) >= 2 for r in rows)
     assert runner.source.process_rm() is runner.source.process_rm()  # built once
     runner.train()

@@ -292,10 +292,10 @@ class RolloutSource:
 
     def next_batch(self, runner: Runner) -> list[TokenRow] | None:
         if not self.pending:
-            self._rollout(runner)
+            self.rollout(runner)
         return self.pending.pop(0)
 
-    def _rollout(self, runner: Runner) -> None:
+    def rollout(self, runner: Runner) -> None:
         """One round's micro-batches. A round whose sampling passes found no trainable group
         makes no update: it is counted (``rounds_empty_total``) and sampled again on the next tasks,
         up to ``max_empty_rounds`` in a row, so one unlucky round does not end a long run."""
@@ -329,7 +329,7 @@ class RolloutSource:
         results: list[Any] = []
         passes = 0
         while counts["groups_kept"] < need and passes < on.max_sampling_tries:
-            got, res = self._sample_pass(runner, offset=1 + max((r.group for r in rows), default=-1))
+            got, res = self.sample_pass(runner, offset=1 + max((r.group for r in rows), default=-1))
             passes += 1
             results += res
             if dynamic:
@@ -351,7 +351,7 @@ class RolloutSource:
             self.stats["pushed_version"] = float(self.version)
         return rows
 
-    def _sample_pass(self, runner: Runner, offset: int) -> tuple[list[TokenRow], list[Any]]:
+    def sample_pass(self, runner: Runner, offset: int) -> tuple[list[TokenRow], list[Any]]:
         """Search the next ``tasks_per_round`` tasks with the live weights: their GRPO rows
         (groups numbered from ``offset``) and the results."""
         from omrl_search.exports import grpo_rows
