@@ -47,6 +47,27 @@ def test_process_advantages_match_a_hand_computation():
     assert process_advantages([1.0, -1.0], values[:2], [0, 0], coef=0.0) == [[1.0, 1.0], [-1.0]]
 
 
+def test_outcome_scale_makes_coef_the_process_terms_weight_relative_to_the_outcome():
+    values = [[None, 0.05, 0.09], [None, 0.03], [0.02, 0.04, 0.01]]  # a PRM spanning 0-0.1
+    outcome, groups = [1.0, -1.0, 0.0], ["a", "a", "b"]
+    raw = process_advantages(outcome, values, groups, coef=1.0)
+    scaled = process_advantages(outcome, values, groups, coef=0.5, scale="outcome")
+    raw_terms = [a - o for o, steps in zip(outcome, raw) for a in steps]
+    terms = [a - o for o, steps in zip(outcome, scaled) for a in steps]
+    # one factor for every term (directions and ratios kept) ...
+    factor = terms[0] / raw_terms[0]
+    assert factor > 1 and terms == pytest.approx([factor * t for t in raw_terms])
+    # ... chosen so the terms' mean size is coef times the outcome advantages' over the steps
+    outcome_size = (2 * 1.0 + 1 * 1.0 + 2 * 0.0) / 5
+    assert sum(abs(t) for t in terms) / 5 == pytest.approx(0.5 * outcome_size)
+    # a reward model that scores every step alike adds nothing, and a bad scale is refused
+    flat = [[None, 0.1, 0.1], [None, 0.1]]
+    assert process_advantages([1.0, -1.0], flat, [0, 0], coef=0.5, scale="outcome") == [[1.0, 1.0], [-1.0]]
+    with pytest.raises(ValueError, match="scale must be 'raw' or 'outcome'"):
+        process_advantages([1.0], [[None, 0.1]], [0], coef=0.5, scale="group")
+    assert grpo.ProcessRewards().scale == "outcome"
+
+
 def test_step_advantages_are_spread_over_each_turns_tokens():
     row = TokenRow(input_ids=list(range(9)), loss_mask=[0, 0, 1, 1, 0, 1, 1, 1, 0], logprobs=[0.0] * 9,
                    has_logprobs=False, advantage=9.0, step_advantages=[2.0, -1.0])
@@ -130,7 +151,7 @@ def test_online_grpo_scores_each_pass_with_the_process_model(tiny_agent_model, t
     cfg = grpo.GRPOConfig(model=tiny_agent_model, out=str(tmp_path / "o"), lr=1e-3, max_steps=2, progress=False,
                           online={"env": "game24", "tasks_per_round": 2, "strategy": "best_of_n:n=3",
                                   "constrain": "none"},
-                          process_rewards={"model": "rules:format=0.2,outcome=1", "coef": 1.0})
+                          process_rewards={"model": "rules:format=0.2,outcome=1", "coef": 0.5})
     runner = grpo.build(cfg)
     runner.source.__class__ = ScriptedSource
     runner.source.reencode = runner.source.builder.encoder
@@ -142,6 +163,8 @@ def test_online_grpo_scores_each_pass_with_the_process_model(tiny_agent_model, t
     logged = [json.loads(line) for line in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in logged if "loss" in m]
     assert len(steps) == 2 and all(m["adv_process_abs"] > 0 and m["adv_outcome_abs"] > 0 for m in steps)
+    # the default scale puts the process term at coef times the outcome's mean size
+    assert all(m["adv_process_abs"] == pytest.approx(0.5 * m["adv_outcome_abs"]) for m in steps)
 
 
 def test_process_shift_is_the_mean_distance_of_step_from_outcome_advantages():

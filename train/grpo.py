@@ -47,7 +47,9 @@ and ``agg:`` the loss aggregation in :data:`train.losses.AGGREGATIONS`.
 or the implicit PRM scores every member's steps (online: ``model`` scores each sampling pass's
 groups; offline: the file's ``process`` column, ``omrl export grpo --process-rm SPEC``); the
 value each step gains is its process reward, and each turn's tokens get the outcome advantage
-plus ``coef`` times its process return against the group's (:func:`train.losses.process_advantages`).
+plus ``coef`` times its process return against the group's (:func:`train.losses.process_advantages`;
+``scale: outcome``, the default, first rescales those terms to the outcome advantages' mean size,
+so ``coef`` is their relative weight; ``raw`` leaves them as the values' differences).
 Dynamic sampling still drops groups whose outcomes are all equal.
 
 With ``kl_coef > 0`` a k3 KL penalty to the reference (the initial policy: adapter disabled
@@ -81,6 +83,10 @@ class ProcessRewards(BaseModel):
     # offline rows bring theirs in the process column (omrl export grpo --process-rm)
     model: str | None = None
     coef: float = Field(0.5, ge=0)  # weight of the process return beside the outcome advantage
+    # outcome: the process terms are rescaled so that their mean size over the batch's steps is
+    # the outcome advantages' (coef is then their relative weight, whatever the model's value
+    # range); raw: coef times the value differences as they are
+    scale: Literal["outcome", "raw"] = "outcome"
 
 
 class OnlineSettings(BaseModel):
@@ -176,7 +182,7 @@ def assign_advantages(rows: list[TokenRow], advantage: str,
             raise TrainError(f"process_rewards: {missing} of {len(rows)} GRPO rows have no process "
                              "values (export with --process-rm SPEC, or set process_rewards.model online)")
         steps = process_advantages([r.advantage for r in rows], [r.process for r in rows],
-                                   [r.group for r in rows], process.coef)
+                                   [r.group for r in rows], process.coef, process.scale)
         for r, a in zip(rows, steps):
             r.step_advantages = a
     return rows
@@ -446,10 +452,11 @@ def make_source(cfg: GRPOConfig, model: Any, tok: Any) -> tuple[Any, int | None]
     every step)."""
     builder = make_builder(cfg, model, tok)
     if cfg.online is None:
-        rows = assign_advantages(load_grpo(cfg.data, builder), cfg.advantage, cfg.process_rewards)
+        rows = load_grpo(cfg.data, builder)
         counts: dict[str, float] = {}
-        if drops_flat(cfg):
+        if drops_flat(cfg):  # before the advantages: the process terms are scaled over what trains
             rows, counts = split_flat(rows)
+        rows = assign_advantages(rows, cfg.advantage, cfg.process_rewards)
         if len(rows) < cfg.batch_size:
             flat = f", {int(counts['groups_flat'])} of {int(counts['groups_sampled'])} groups " \
                    "had equal rewards" if counts else ""

@@ -75,6 +75,7 @@ class LoopConfig(BaseModel):
     # online GRPO's dense process rewards (PRIME-style, train.losses.process_advantages): none
     # (outcome only), prm (the round's PRM scores each step) or implicit (the implicit PRM of
     # the policy being trained against the run's starting policy), weighted by process_coef
+    # relative to the outcome advantage (the process terms are rescaled to its size)
     process_rewards: Literal["none", "prm", "implicit"] = "none"
     process_coef: float = Field(0.5, ge=0, allow_inf_nan=False)
     trainer_settings: dict[str, dict[str, Any]] = Field(default_factory=lambda: {

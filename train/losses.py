@@ -267,7 +267,7 @@ def rloo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
 
 
 def process_advantages(outcome: Sequence[float], values: Sequence[Sequence[float | None]],
-                       groups: Sequence[Any], coef: float) -> list[list[float]]:
+                       groups: Sequence[Any], coef: float, scale: str = "raw") -> list[list[float]]:
     """Dense process rewards added to outcome advantages (PRIME, Cui et al. 2025): one advantage
     per step of each member.
 
@@ -277,7 +277,15 @@ def process_advantages(outcome: Sequence[float], values: Sequence[Sequence[float
     reward of step ``s`` is the value it gained, ``r_s = v_s - v_{s-1}``; step ``k``'s process
     return is ``G_k = sum_{s >= k} r_s`` (gamma = 1), baselined, as the outcome is by RLOO, by
     the mean first-step return of the *other* members of its group (a group of one is its own
-    baseline). Step ``k`` of member ``i`` gets ``outcome[i] + coef * (G_ik - baseline_i)``."""
+    baseline). Step ``k`` of member ``i`` gets ``outcome[i] + coef * (G_ik - baseline_i)``.
+
+    ``scale="outcome"`` first rescales every process term ``G_ik - baseline_i`` by one factor so
+    that their mean size over all steps equals the outcome advantages' (each member's counted
+    once per step), which makes ``coef`` the process term's weight *relative to the outcome's*
+    whatever range the reward model's values span; ``"raw"`` uses the value differences as they
+    are. All-zero process terms stay zero."""
+    if scale not in ("raw", "outcome"):
+        raise ValueError(f"process_advantages: scale must be 'raw' or 'outcome', not {scale!r}")
     members: dict[Any, list[int]] = {}
     for i, g in enumerate(groups):
         members.setdefault(g, []).append(i)
@@ -289,12 +297,17 @@ def process_advantages(outcome: Sequence[float], values: Sequence[Sequence[float
             v = values[i]
             full[i] = [root if v[0] is None else float(v[0])] + [float(x) for x in v[1:]]
     returns = [[v[-1] - v[k - 1] for k in range(1, len(v))] for v in full]  # G_k telescopes
-    out = []
+    terms = []
     for i, g in enumerate(groups):
         others = [returns[j][0] for j in members[g] if j != i and returns[j]]
         base = sum(others) / len(others) if others else (returns[i][0] if returns[i] else 0.0)
-        out.append([float(outcome[i]) + coef * (G - base) for G in returns[i]])
-    return out
+        terms.append([G - base for G in returns[i]])
+    factor = 1.0
+    if scale == "outcome":
+        size = sum(abs(t) for ts in terms for t in ts)
+        outcome_size = sum(abs(float(o)) * len(ts) for o, ts in zip(outcome, terms))
+        factor = outcome_size / size if size > 0 else 0.0
+    return [[float(o) + coef * factor * t for t in ts] for o, ts in zip(outcome, terms)]
 
 
 def _group_sums(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
