@@ -6,13 +6,27 @@ Both keep a :class:`~omrl_search.prefix_cache.RadixCache` of per-prefix keys/val
 (:func:`load_cached`), its new tokens in the second; the 2D attention mask zeroes the padding of
 both, and explicit position ids keep every token at its absolute position. :func:`kv_of_row`
 reads one row's keys/values back out in the cache's layout ``(layers, 2, kv_heads, tokens,
-head_dim)``. :func:`make_cache` is a KV cache whose layers append into preallocated buffers.
+head_dim)``. :func:`make_cache` is a KV cache whose layers append into preallocated buffers;
+:func:`with_cache` passes one to a model's forward under the keyword its transformers reads.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 _PREALLOC: dict[type, type] = {}
+_CACHE_KEYWORD: dict[type, str] = {}
+
+
+def with_cache(model: Any, cache: Any) -> dict[str, Any]:
+    """The forward keywords that hand ``cache`` to ``model`` and ask for it back: ``cache=``
+    where the installed transformers names it so (5.2x, which warns on the old name and drops it
+    in 5.40), ``past_key_values=`` before."""
+    kind = type(model)
+    if kind not in _CACHE_KEYWORD:
+        params = inspect.signature(kind.forward).parameters
+        _CACHE_KEYWORD[kind] = "cache" if "cache" in params else "past_key_values"
+    return {_CACHE_KEYWORD[kind]: cache, "use_cache": True}
 
 
 def make_cache(config: Any, capacity: int) -> Any:

@@ -161,7 +161,7 @@ class PrefixScorer:
                  out: list[list[float | None]], pad_id: int) -> None:
         import torch
 
-        from omrl_search.kv_rows import kv_of_row, load_cached, make_cache
+        from omrl_search.kv_rows import kv_of_row, load_cached, make_cache, with_cache
 
         dev = model.head.weight.device
         backbone = model.backbone
@@ -181,7 +181,7 @@ class PrefixScorer:
         seg = seg.to(dev)
         mask = seg if mask is None else torch.cat([mask, seg], dim=1)
         hidden = backbone(input_ids=ids_t.to(dev), attention_mask=mask, position_ids=pos_t.to(dev),
-                          past_key_values=cache, use_cache=True).last_hidden_state
+                          **with_cache(backbone, cache)).last_hidden_state
         for b, (r, j0, n, _, last, keys) in enumerate(chunk):
             ids, pos = encoded[r]
             if pos[j0:]:  # (a shared prefix, forwarded for the KV alone, has no read)

@@ -83,6 +83,31 @@ def test_shared_prefix_prefilled_once(policy: HFPolicy, monkeypatch) -> None:
         assert gens[0].logprobs == pytest.approx(alone.logprobs, abs=1e-4)
 
 
+def test_cached_decoding_uses_the_installed_transformers_cache_keyword(policy: HFPolicy) -> None:
+    """The KV cache reaches the model under the keyword its forward declares (transformers 5.2x
+    renamed ``past_key_values`` to ``cache``, warning on the old name), so decoding a prompt and
+    its continuation through the prefix cache raises no deprecation warning."""
+    import inspect
+    import warnings
+
+    from omrl_search.kv_rows import with_cache
+
+    declared = inspect.signature(type(policy.model).forward).parameters
+    (keyword, _), = [(k, v) for k, v in with_cache(policy.model, "C").items() if k != "use_cache"]
+    assert keyword in declared and with_cache(policy.model, "C")[keyword] == "C"
+
+    class Old:
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None):
+            pass
+    assert with_cache(Old(), "C") == {"past_key_values": "C", "use_cache": True}
+    policy.prefix_cache.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        first = policy.generate([req(policy, MSGS[0], temperature=0.0, max_tokens=6)])[0][0]
+        again = policy.generate([req(policy, MSGS[0], temperature=0.0, max_tokens=6)])[0][0]
+    assert again.token_ids == first.token_ids
+
+
 def test_shapes_n_and_usage(policy: HFPolicy) -> None:
     reqs = [req(policy, MSGS[0], temperature=1.0, max_tokens=7, n=3, seed=1),
             req(policy, MSGS[1], temperature=0.0, max_tokens=5, n=2)]

@@ -42,7 +42,7 @@ import os
 from typing import Any
 
 from ..host import bf16_native
-from ..kv_rows import kv_of_row, load_cached, make_cache
+from ..kv_rows import kv_of_row, load_cached, make_cache, with_cache
 from ..policy import (Policy, PolicyError, from_path_spec, register_policy, request_prompt_ids,
                       require)
 from ..prefix_cache import RadixCache, cache_limit
@@ -282,7 +282,7 @@ class HFPolicy(ChunkedDecoder, Policy):
             seg = seg.to(dev)
             mask = seg if mask is None else torch.cat([mask, seg], dim=1)
             o = self.model(input_ids=ids.to(dev), attention_mask=mask, position_ids=pos.to(dev),
-                           past_key_values=cache, use_cache=True, logits_to_keep=1)
+                           **with_cache(self.model, cache), logits_to_keep=1)
         if pc is not None:
             for u, p in enumerate(prompts):
                 self._remember(cache, mask, u, p)
@@ -353,7 +353,7 @@ class HFPolicy(ChunkedDecoder, Policy):
                 mask = torch.cat([mask, seg.to(dev)], dim=1)
                 ids = ids.to(dev)
                 o = self.model(input_ids=ids, attention_mask=mask, position_ids=pos.to(dev),
-                               past_key_values=cache, use_cache=True)
+                               **with_cache(self.model, cache))
                 # logits predicting token t of a candidate: the prompt's last, then the candidate's
                 logits = torch.cat([first[:, None], o.logits[:, :-1].float()], dim=1)
                 lp = torch.log_softmax(logits, dim=-1).gather(2, ids[:, :, None]).squeeze(2)
@@ -401,7 +401,7 @@ class HFPolicy(ChunkedDecoder, Policy):
             ids, kept = ids[kidx], keep
         mask = st["mask"] = torch.cat([st["mask"], st["mask"].new_ones((len(kept), 1))], dim=1)
         o = self.model(input_ids=ids[:, None], attention_mask=mask,
-                       position_ids=st["next_pos"][:, None], past_key_values=st["cache"], use_cache=True)
+                       position_ids=st["next_pos"][:, None], **with_cache(self.model, st["cache"]))
         st["next_pos"] = (st["next_pos"] + 1).clamp(max=self._max_positions - 1)
         return kept, o.logits[:, -1, :].float()
 
