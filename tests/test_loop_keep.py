@@ -51,7 +51,7 @@ def test_worse_stage_rejected_not_worse_kept_and_recorded(tmp_path, fake_trainer
     assert sft["keep"] and sft["new_best"] and "new best" in sft["reason"]
     assert not rs["keep"] and not rs["new_best"] and "significantly worse" in rs["reason"]
     assert rs["tests"]["react"]["p_value"] < 0.05 and rs["tests"]["react"]["diff"] < 0
-    # equal to the best on every dev task: kept (training goes on from it), the best stays
+    # equal to the best on every dev task: kept, but not better (training goes on from the best)
     assert dpo["keep"] and not dpo["new_best"] and dpo["tests"]["react"]["p_value"] == 1.0
     # the rejected stage's checkpoint is not trained from: dpo starts from sft's policy
     assert fake_trainers == [("sft", cfg.policy), ("rs_sft", PRODUCES["sft"]), ("dpo", PRODUCES["sft"])]
@@ -89,12 +89,13 @@ def test_a_best_no_round_evaluated_gets_its_own_test_eval_and_record(tmp_path, f
 
     from train.loop_report import RESULTS_SCHEMA
 
-    # round 1 trains sft (the best: never deviates) then rs_sft (kept, not better): the round's
-    # eval is of rs_sft's policy, so the checkpoint handed back has no test figure from the rounds
+    # round 1 trains sft (the best: never deviates) then rs_sft (kept, not better); training
+    # continues from the last kept stage, so the round's eval is of rs_sft's policy and the
+    # checkpoint handed back has no test figure from the rounds
     monkeypatch.setitem(PRODUCES, "sft", "scripted:oracle:p=0.0")
     monkeypatch.setitem(PRODUCES, "rs_sft", "scripted:oracle:p=0.02")
     cfg = _cfg(tmp_path, rounds=1, first=["sft", "rs_sft"], policy="scripted:oracle:p=0.6",
-               best_search="best_of_n:n=2", best_budget="tokens=100000")
+               best_search="best_of_n:n=2", best_budget="tokens=100000", continue_from="kept")
     run_loop(cfg)
     root = tmp_path / "run"
     best = json.loads((root / "best.json").read_text())
@@ -118,6 +119,41 @@ def test_a_best_no_round_evaluated_gets_its_own_test_eval_and_record(tmp_path, f
     before = {p: p.stat().st_mtime_ns for p in root.glob("**/stage.json")}
     run_loop(cfg)
     assert {p: p.stat().st_mtime_ns for p in root.glob("**/stage.json")} == before
+
+
+def test_training_continues_from_the_best_not_from_a_kept_stage_that_is_no_better(tmp_path, fake_trainers,
+                                                                                 monkeypatch):
+    # round 1: sft is the best (never deviates); rs_sft is kept (not significantly worse) but
+    # worse. Round 2's stage trains from sft, the rounds' evals are sft's, and the best
+    # needs no eval of its own
+    monkeypatch.setitem(PRODUCES, "sft", "scripted:oracle:p=0.0")
+    monkeypatch.setitem(PRODUCES, "rs_sft", "scripted:oracle:p=0.02")
+    cfg = _cfg(tmp_path, rounds=2, first=["sft", "rs_sft"], then=["rs_sft"], policy="scripted:oracle:p=0.6")
+    assert cfg.continue_from == "best"
+    run_loop(cfg)
+    root = tmp_path / "run"
+    rs = json.loads((root / "round_1/dev_rs_sft/stage.json").read_text())["decision"]
+    assert rs["keep"] and not rs["new_best"] and "not better than the best" in rs["reason"]
+    assert fake_trainers == [("sft", cfg.policy), ("rs_sft", PRODUCES["sft"]), ("rs_sft", PRODUCES["sft"])]
+    assert [json.loads((root / f"round_{r}/eval/stage.json").read_text())["policy"] for r in (1, 2)] == \
+        [PRODUCES["sft"]] * 2
+    best = json.loads((root / "best.json").read_text())
+    assert best["model"] == best["current"] == PRODUCES["sft"] and not (root / "eval_best").exists()
+    assert "not better: not trained on" in (root / "report.md").read_text()
+
+
+def test_a_run_started_before_continue_from_existed_resumes_only_as_it_ran(tmp_path, fake_trainers):
+    from train.loop import LoopError
+
+    cfg = _cfg(tmp_path, rounds=1, continue_from="kept")
+    run_loop(cfg)
+    saved = tmp_path / "run" / "loop.json"
+    settings = json.loads(saved.read_text())
+    del settings["continue_from"]  # as runs started before the setting wrote it
+    saved.write_text(json.dumps(settings))
+    run_loop(cfg)  # those runs continued from the last kept stage: the same settings
+    with pytest.raises(LoopError, match=r"other settings \(continue_from\)"):
+        run_loop(cfg.model_copy(update={"continue_from": "best"}))
 
 
 def test_the_dev_slice_is_disjoint_by_puzzle_from_everything_searched(tmp_path, fake_trainers):

@@ -49,6 +49,10 @@ class LoopError(Exception):
 
 
 # --- stages ------------------------------------------------------------------------------------
+#: settings added after runs were started, as those runs behaved (their loop.json lacks them)
+LEGACY_SETTINGS = {"continue_from": "kept"}
+
+
 class Run:
     """A loop folder: finished stages are ``NAME/stage.json``; the rest is redone."""
 
@@ -61,7 +65,7 @@ class Run:
         saved = self.root / "loop.json"
         mine = json.loads(self.cfg.model_dump_json(exclude={"rounds", "progress", "best_search", "best_budget"}))
         if saved.exists():
-            before = json.loads(saved.read_text())
+            before = {**LEGACY_SETTINGS, **json.loads(saved.read_text())}
             diff = sorted(k for k in set(before) | set(mine) if before.get(k) != mine.get(k))
             if diff:
                 raise LoopError(f"{self.root} was started with other settings ({', '.join(diff)}); "
@@ -95,9 +99,12 @@ def _write_json(path: Path, obj: Any) -> None:
 # --- the loop ------------------------------------------------------------------------------------
 class Track:
     """The current policy (what training continues from) and the best checkpoint (what the run
-    hands back), as keep-best moves them."""
+    hands back), as keep-best moves them. With ``continue_from="best"`` the current policy is
+    always the best (a kept candidate that is not better is not trained on); with ``"kept"``
+    it is the last kept candidate."""
 
-    def __init__(self, model: str, dev: dict[str, Any] | None):
+    def __init__(self, model: str, dev: dict[str, Any] | None, continue_from: str = "best"):
+        self.continue_from = continue_from
         self.current = model
         self.best: dict[str, Any] = {"model": model, "where": "round 0, base",
                                      "score": (dev or {}).get("decision", {}).get("score"), "dev": dev}
@@ -110,7 +117,7 @@ class Track:
             self.current = train["model"]
             self.best = {"model": train["model"], "where": f"round {r}, {kind}", "score": None, "dev": None}
             return
-        if decision["keep"]:
+        if decision["keep"] and (decision["new_best"] or self.continue_from == "kept"):
             self.current = train["model"]
         if decision["new_best"]:
             self.best = {"model": train["model"], "where": f"round {r}, {kind}",
@@ -128,7 +135,7 @@ def run_loop(cfg: LoopConfig) -> dict[str, Any]:
     run.open()
     prm = None
     dev0 = run.stage("round_0/dev", st.dev_stage(cfg, sets, cfg.policy, None)) if cfg.dev_limit else None
-    track = Track(cfg.policy, dev0)
+    track = Track(cfg.policy, dev0, cfg.continue_from)
     history: list[dict[str, Any]] = [{"round": 0, "dev": dev0,
                                       "eval": run.stage("round_0/eval", st.eval_stage(cfg, sets, cfg.policy, None))}]
     for r in range(1, cfg.rounds + 1):

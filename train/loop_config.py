@@ -89,6 +89,10 @@ class LoopConfig(BaseModel):
     dev_strategies: str = "react,best_of_n:n=4"
     dev_budget: str = "tokens=2000"
     keep_alpha: float = Field(0.05, gt=0, lt=1)
+    # where training goes on from after a stage: best (the best checkpoint so far; a kept stage
+    # that is not better is not trained on) or kept (the last stage not rejected: a run of small,
+    # each insignificant, losses can then be built on, as a 100-task dev slice allows)
+    continue_from: Literal["best", "kept"] = "best"
     # evaluation on the test split (reported; no decision looks at it)
     test_limit: int = Field(200, ge=1)
     eval_strategies: str = "react,best_of_n,mcts"

@@ -62,8 +62,9 @@ def keep_table(cfg: Any, history: list[dict[str, Any]], best: dict[str, Any]) ->
         return lines + ["No dev slice (`dev_limit: 0`): every stage was kept unchecked.", ""]
     lines += [f"After each training stage: {cfg.dev_strategies} at {cfg.dev_budget} on the dev slice; "
               f"the stage is rejected when any of them is worse than the best checkpoint with paired "
-              f"p < {cfg.keep_alpha:g} (exact McNemar), else kept (training continues from it) and it "
-              "becomes the best when its dev score (mean success) is higher.", "",
+              f"p < {cfg.keep_alpha:g} (exact McNemar), else kept, and it becomes the best when its dev "
+              "score (mean success) is higher; training continues from "
+              + ("the best." if cfg.continue_from == "best" else "the last kept stage."), "",
               "| round | stage | trained | dev success | decision | why |", "|---|---|---|---|---|---|",
               f"| 0 | base | `{cfg.policy}` | {_dev_cell(history[0].get('dev'))} | best | the starting policy |"]
     for h in history[1:]:
@@ -74,7 +75,8 @@ def keep_table(cfg: Any, history: list[dict[str, Any]], best: dict[str, Any]) ->
                 continue
             trained = f"{t.get('step', '?')} steps, loss {_na(t.get('loss'))}"
             dec = (dev or {}).get("decision") or {"keep": True, "new_best": False, "reason": "no dev check"}
-            verdict = "**new best**" if dec.get("new_best") else "kept" if dec["keep"] else "**rejected**"
+            verdict = ("**new best**" if dec.get("new_best") else "**rejected**" if not dec["keep"]
+                       else "kept" if cfg.continue_from == "kept" else "not better: not trained on")
             lines.append(f"| {h['round']} | {t['trainer']} | {trained} | {_dev_cell(dev)} | {verdict} | "
                          f"{dec['reason']} |")
     lines += ["", f"Best checkpoint: `{best['model']}` ({best['where']}, dev score {_na(best.get('score'))}).", ""]

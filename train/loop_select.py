@@ -10,9 +10,10 @@ decision; it is only reported.
 **Keep-best.** After each training stage the candidate policy is evaluated on the dev slice with
 the dev strategies and compared, task by task, with the best checkpoint so far (exact McNemar,
 :func:`omrl_search.stats.mcnemar`). The candidate is rejected when, for any dev strategy, it is
-worse with ``p < alpha``; otherwise it is kept: training continues from it, and it becomes the
-best when its dev score (mean success over the dev strategies) is strictly higher than the
-best's. The best is what the run hands back. See docs/loop.md.
+worse with ``p < alpha``; otherwise it is kept, and it becomes the best when its dev score (mean
+success over the dev strategies) is strictly higher than the best's. The best is what the run
+hands back; training continues from the best (``continue_from: best``, the default) or from the
+last kept candidate (``kept``). See docs/loop.md.
 """
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ def decide(candidate: Outcomes, best: Outcomes, alpha: float = 0.05) -> dict[str
     else:
         reason = ("not significantly worse on dev (" + "; ".join(f"{n} {_fmt(t)}" for n, t in tests.items())
                   + f"); dev score {score:.3f} vs best {best_score:.3f}"
-                  + (": new best" if new_best else ": kept, the best stays"))
+                  + (": new best" if new_best else ": not better than the best"))
     return {"keep": keep, "new_best": new_best, "reason": reason, "tests": tests,
             "score": round(score, 4), "best_score": round(best_score, 4)}
 
