@@ -17,10 +17,10 @@ grammars); per cell the best repetition counts. Figures per cell:
 
 * ``tok/s``: generated tokens per wall second of the whole call; ``tok/CPU-s``: per CPU second
   of the process (the figure that holds on a shared, busy machine); ``decode``: per CPU second
-  of the decode loop alone (the call less the backend's ``_prefill``: the prompts are evaluated
+  of the decode loop alone (the call less the backend's ``prefill_chunk``: the prompts are evaluated
   afresh every call, which is most of llama.cpp's time here); the best repetition by it counts;
 * ``mask%``: the share of the decode loop's CPU time spent computing and applying the grammar
-  mask (the backend's ``_mask``, timed): the mask's own cost, which a change in completion
+  mask (the backend's ``mask_logits``, timed): the mask's own cost, which a change in completion
   length (a constrained row ends right after its action, thinning the batch) does not blur;
 * ``valid``: the fraction of completions that parse (``Think:``/``Act:``) to an action the env
   accepts (``valid`` after stepping it), over every task and repetition;
@@ -93,8 +93,8 @@ def run(policy, items: list[dict], cond: str, seed: int, timer: dict) -> dict:
 
 
 def instrument(policy) -> dict:
-    """CPU time of the backend's hooks: ``_mask`` (every step), ``_prefill`` (prompts) and
-    ``_guide`` (a row's matcher; compiles a grammar on first use)."""
+    """CPU time of the backend's hooks: ``mask_logits`` (every step), ``prefill_chunk`` (prompts) and
+    ``guide_for`` (a row's matcher; compiles a grammar on first use)."""
     timer = {"mask": 0.0, "prefill": 0.0, "guide": 0.0}
 
     def timed(key: str, fn):
@@ -106,8 +106,9 @@ def instrument(policy) -> dict:
                 timer[key] += time.process_time() - t
         return call
 
-    policy._mask, policy._prefill = timed("mask", policy._mask), timed("prefill", policy._prefill)
-    policy._guide = timed("guide", policy._guide)
+    policy.mask_logits = timed("mask", policy.mask_logits)
+    policy.prefill_chunk = timed("prefill", policy.prefill_chunk)
+    policy.guide_for = timed("guide", policy.guide_for)
     return timer
 
 

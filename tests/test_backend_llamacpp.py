@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("llama_cpp")
 
 from omrl_search.backends import smollm2  # noqa: E402
-from omrl_search.backends.llamacpp import LlamaCppPolicy, _sample  # noqa: E402
+from omrl_search.backends.llamacpp import LlamaCppPolicy, sample_tokens  # noqa: E402
 from omrl_search.policy import PolicyError, make_policy  # noqa: E402
 from omrl_search.types import GenRequest, SamplingParams  # noqa: E402
 
@@ -154,11 +154,11 @@ def test_sampler_logprobs_are_raw() -> None:
     logits = np.array([[2.0, 1.0, 0.5, -1.0], [0.0, 3.0, 0.0, 0.0]], dtype=np.float32)
     rng = np.random.default_rng(0)
     ps = [SamplingParams(temperature=0.3, top_p=0.5), SamplingParams(temperature=0.0)]
-    tokens, lps = _sample(np, logits, ps, rng)
+    tokens, lps = sample_tokens(np, logits, ps, rng)
     assert tokens.tolist() == [0, 1]  # top-p 0.5 at low temperature keeps only the best token
     ref = logits - np.log(np.exp(logits).sum(1, keepdims=True))
     assert lps == pytest.approx([ref[0, 0], ref[1, 1]], abs=1e-5)
-    counts = np.bincount([_sample(np, logits[:1], [SamplingParams(temperature=1.0)], rng)[0][0]
+    counts = np.bincount([sample_tokens(np, logits[:1], [SamplingParams(temperature=1.0)], rng)[0][0]
                           for _ in range(2000)], minlength=4)
     probs = np.exp(ref[0])
     assert counts / 2000 == pytest.approx(probs, abs=0.04)
@@ -276,7 +276,7 @@ def test_reuse_close_to_cold_prefill_on_long_prompts(policy: LlamaCppPolicy) -> 
     def first_logits() -> np.ndarray:
         req = GenRequest(LONG, greedy(1), prompt_ids=p2)
         chunk = [(0, 0)]
-        return policy._prefill(chunk, [policy._prompt_ids(req)], [])[1][0].copy()
+        return policy.prefill_chunk(chunk, [policy.prompt_ids_of(req)], [])[1][0].copy()
 
     warm = first_logits()
     assert policy._cached[0] == len(p1) + len(g1.token_ids) - 1

@@ -6,7 +6,7 @@ import pytest
 
 import omrl_search as om
 from helpers import Recording
-from omrl_search.backends.hf import _prefill_levels, prefix_groups
+from omrl_search.backends.hf import prefill_levels, prefix_groups
 from omrl_search.batching import LMWait, WaitingRequests, prompt_key
 from omrl_search.engine import Engine
 from omrl_search.types import GenRequest, SamplingParams
@@ -237,7 +237,7 @@ def test_prefill_levels_cover_each_prompt_once():
     system = list(range(100, 140))
     task_a, task_b = system + [1, 2, 3] + list(range(200, 240)), system + [4, 5] + list(range(300, 330))
     prompts = [task_a + [7, 8, 9], task_b + [1], task_a + [7, 5], task_b + [2, 2, 2], system + [9]]
-    levels = _prefill_levels(prompts, 16)
+    levels = prefill_levels(prompts, 16)
     assert _rebuild(prompts, levels) == prompts
     assert [len(rows) for rows, _ in levels] == [1, 3, 5]  # system, 2 tasks + 1 alone, each prompt
     assert all(e - s >= 1 for u, s, e in levels[-1][0])  # every prompt keeps its last token
@@ -247,8 +247,8 @@ def test_prefill_levels_cover_each_prompt_once():
                                                          ([4], base)]
     # prompts sharing nothing beyond the system prompt: two levels, as before
     flat = [system + [i] * 5 for i in range(4)]
-    assert [len(rows) for rows, _ in _prefill_levels(flat, 16)] == [1, 4]
-    assert _rebuild(flat, _prefill_levels(flat, 16)) == flat
+    assert [len(rows) for rows, _ in prefill_levels(flat, 16)] == [1, 4]
+    assert _rebuild(flat, prefill_levels(flat, 16)) == flat
 
 
 def test_hf_groups_prefilled_once_and_results_equal_alone(tiny_hf_model, monkeypatch):

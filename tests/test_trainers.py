@@ -445,11 +445,11 @@ def test_missing_data_file_is_one_line_before_the_model_loads(tmp_path, capsys, 
 
 
 def test_resume_drops_a_torn_last_metrics_line_and_names_a_bad_one(tmp_path):
-    from train.runtime import TrainError, _metric_lines
+    from train.runtime import TrainError, metric_lines
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
-    assert [json.loads(x)["step"] for x in _metric_lines(path)] == [1, 2]  # killed mid-write
+    assert [json.loads(x)["step"] for x in metric_lines(path)] == [1, 2]  # killed mid-write
     path.write_text('{"step": 1}\ngarbage\n{"step": 3}\n')
     with pytest.raises(TrainError, match=r"metrics.jsonl:2: not a JSON line"):
-        _metric_lines(path)
+        metric_lines(path)

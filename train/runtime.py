@@ -336,7 +336,7 @@ class Runner:
         self.out.mkdir(parents=True, exist_ok=True)
         path = self.out / "metrics.jsonl"
         if path.exists():  # keep what the run being resumed logged up to its checkpoint
-            kept = [ln for ln in _metric_lines(path) if json.loads(ln).get("step", 0) <= self.step]
+            kept = [ln for ln in metric_lines(path) if json.loads(ln).get("step", 0) <= self.step]
             write_text_atomic(path, "".join(ln + "\n" for ln in kept))
         self._metrics_file = path.open("a")
         if self.cfg.tensorboard:
@@ -542,7 +542,7 @@ def _ds_lr(engine: Any) -> float:
     return float(lrs[0]) if lrs else 0.0
 
 
-def _metric_lines(path: Path) -> list[str]:
+def metric_lines(path: Path) -> list[str]:
     """The complete lines of a ``metrics.jsonl`` being resumed. A torn last line (the process
     was killed while writing it) is dropped; a bad line anywhere else is a TrainError naming
     ``file:line``, since the log was damaged by something other than a kill."""

@@ -81,11 +81,11 @@ class ChunkedDecoder:
 
     Every request becomes ``params.n`` rows (a request for no tokens is answered at once); rows
     are ordered by :meth:`_order_key` of their prompt, so prompts that share prefixes or have
-    similar lengths land in the same chunk. For each chunk, :meth:`_prefill` evaluates the
+    similar lengths land in the same chunk. For each chunk, :meth:`prefill_chunk` evaluates the
     prompts and gives the first logits; then, until every row has ended, :meth:`_sample_rows`
     picks a token per batch row and :meth:`_step` feeds the still-running rows' tokens back.
 
-    A backend provides ``tokenizer``, ``max_batch``, ``_prompt_ids(request)`` and the methods
+    A backend provides ``tokenizer``, ``max_batch``, ``prompt_ids_of(request)`` and the methods
     below that raise ``NotImplementedError``.
     """
 
@@ -113,7 +113,7 @@ class ChunkedDecoder:
         """A context manager around all the chunks of one call."""
         return contextlib.nullcontext()
 
-    def _prefill(self, chunk: list[tuple[int, int]], prompts: list[list[int]],
+    def prefill_chunk(self, chunk: list[tuple[int, int]], prompts: list[list[int]],
                  rows: list[Row]) -> tuple[Any, Any]:
         """Evaluate the chunk's prompts; return the backend's decoding state and the logits of
         the next token, one row per chunk row (``chunk[j]`` = (request index, sample index))."""
@@ -140,12 +140,12 @@ class ChunkedDecoder:
     #: the backend masks logits with a grammar (``GenRequest.grammar``)
     supports_grammar = True
 
-    def _guide(self, grammar: Grammar) -> Any:
+    def guide_for(self, grammar: Grammar) -> Any:
         """A fresh per-row grammar state (``accept(token)``, ``close()``); compiles ``grammar``
         (once per text) and raises a one-line GrammarError naming it when it does not."""
         raise NotImplementedError
 
-    def _mask(self, state: Any, logits: Any, guides: list[Any]) -> Any:
+    def mask_logits(self, state: Any, logits: Any, guides: list[Any]) -> Any:
         """``logits`` with the tokens ``guides[j]`` does not allow next set to ``-inf`` in
         batch row ``j`` (None: no grammar, or the row has ended)."""
         raise NotImplementedError
@@ -156,7 +156,7 @@ class ChunkedDecoder:
         out: list[list[Generation | None]] = [[None] * r.params.n for r in requests]
         if not requests:
             return []
-        prompts = [self._prompt_ids(r) for r in requests]  # type: ignore[attr-defined]
+        prompts = [self.prompt_ids_of(r) for r in requests]  # type: ignore[attr-defined]
         seeds = [self._new_seed() if r.params.seed is None else r.params.seed for r in requests]
         rows: list[tuple[int, int]] = []
         for ri in sorted(range(len(requests)), key=lambda i: self._order_key(prompts[i])):
@@ -187,16 +187,16 @@ class ChunkedDecoder:
         try:
             # a grammar that does not compile fails here, before any model work
             try:
-                guides.extend(self._guide(g) if g is not None else None for g in grammars)
+                guides.extend(self.guide_for(g) if g is not None else None for g in grammars)
             except GrammarError as exc:
                 raise GrammarError(f"{getattr(self, 'name', 'policy')}: {exc}") from None
             guided = any(g is not None for g in guides)
-            state, logits = self._prefill(chunk, prompts, rows)
+            state, logits = self.prefill_chunk(chunk, prompts, rows)
             active = list(range(len(chunk)))  # chunk row of each batch row
             n_live = len(chunk)
             while True:
                 if guided:
-                    logits = self._mask(state, logits, [guides[b] if rows[b].result is None else None
+                    logits = self.mask_logits(state, logits, [guides[b] if rows[b].result is None else None
                                                         for b in active])
                 tokens, lps = self._sample_rows(state, logits, [rows[b] for b in active])
                 for j, b in enumerate(active):

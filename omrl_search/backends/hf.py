@@ -11,7 +11,7 @@ How one :meth:`HFPolicy.generate` call runs:
   KV cache is then fanned out to its ``n`` rows, so ``n`` samples cost one prefill; a prefix that
   all the chunk's prompts share (the system prompt) is prefilled once before that, and so is a
   prefix that a group of them shares beyond it (one task's prompt and path: siblings in a
-  search) when that saves tokens (:func:`_prefill_levels`);
+  search) when that saves tokens (:func:`prefill_levels`);
 * the decode loop samples every row with its own temperature / top-p and its own random stream
   (seeded from its request's ``seed`` and its sample index, so a row's samples do not depend on
   which other requests share the call), records the raw log-probability of the chosen
@@ -186,7 +186,7 @@ class HFPolicy(ChunkedDecoder, Policy):
         return {} if self.prefix_cache is None else {"prefix_cache": self.prefix_cache.stats()}
 
     # --- generation ---------------------------------------------------------------------
-    def _prompt_ids(self, req: GenRequest) -> list[int]:
+    def prompt_ids_of(self, req: GenRequest) -> list[int]:
         return request_prompt_ids("hf", req, self.tokenizer, self._vocab_size,
                                   self._max_positions, "max_position_embeddings")
 
@@ -208,7 +208,7 @@ class HFPolicy(ChunkedDecoder, Policy):
     def _decoding(self) -> Any:
         return self._torch.inference_mode()
 
-    def _prefill(self, chunk: list[tuple[int, int]], prompts: list[list[int]],
+    def prefill_chunk(self, chunk: list[tuple[int, int]], prompts: list[list[int]],
                  rows: list[Row]) -> tuple[dict[str, Any], Any]:
         torch = self._torch
         dev = self.device
@@ -249,7 +249,7 @@ class HFPolicy(ChunkedDecoder, Policy):
 
         With the prefix cache on, each prompt's longest cached prefix (leaving it one token) is
         copied into the batch and only the rest is prefilled; with no hit in the chunk, shared
-        prefixes are prefilled once each (:func:`_prefill_levels`). Each prompt's KV then goes
+        prefixes are prefilled once each (:func:`prefill_levels`). Each prompt's KV then goes
         into the prefix cache."""
         torch = self._torch
         dev = self.device
@@ -262,7 +262,7 @@ class HFPolicy(ChunkedDecoder, Policy):
         if Wc:  # one level on top of the cached prefixes
             levels: list[Level] = [([(u, cached[u], len(p)) for u, p in enumerate(prompts)], None)]
         else:  # shared prefixes (the system prompt, one task's prompt...) prefilled once each
-            levels = _prefill_levels(prompts, self.min_shared_prefix, self.group_prefixes)
+            levels = prefill_levels(prompts, self.min_shared_prefix, self.group_prefixes)
         widths = [max(e - s for _, s, e in lrows) for lrows, _ in levels]
         cache = make_cache(self.model.config, capacity=Wc + sum(widths) + extra)
         mask = None
@@ -323,7 +323,7 @@ class HFPolicy(ChunkedDecoder, Policy):
             raise PolicyError(f"hf: score got {len(requests)} requests and {len(completions)} "
                               "lists of completions")
         torch = self._torch
-        prompts = [self._prompt_ids(r) for r in requests]
+        prompts = [self.prompt_ids_of(r) for r in requests]
         cands = [[self.tokenizer.encode(c) for c in comps] for comps in completions]
         out = [[0.0] * len(c) for c in cands]
         served: dict[int, int] = {}  # per request, prompt tokens the cache served at its first prefill
@@ -378,10 +378,10 @@ class HFPolicy(ChunkedDecoder, Policy):
                                                      self.tokenizer.eos_token_ids)
         return self._token_masker
 
-    def _guide(self, grammar: Any) -> Any:
+    def guide_for(self, grammar: Any) -> Any:
         return self._masker().matcher(grammar)
 
-    def _mask(self, state: dict[str, Any], logits: Any, guides: list[Any]) -> Any:
+    def mask_logits(self, state: dict[str, Any], logits: Any, guides: list[Any]) -> Any:
         return self._masker().mask(logits, guides)
 
     def _step(self, state: dict[str, Any], tokens: list[int], active: list[int],
@@ -443,7 +443,7 @@ def _make_prefix_cache(on: Any, mb: Any) -> RadixCache | None:
 Level = tuple[list[tuple[int, int, int]], "list[int] | None"]
 
 
-def _prefill_levels(prompts: list[list[int]], min_shared: int, use_groups: bool = True) -> list[Level]:
+def prefill_levels(prompts: list[list[int]], min_shared: int, use_groups: bool = True) -> list[Level]:
     """How to prefill distinct ``prompts`` computing each shared prefix once.
 
     Levels of ``(rows, parents)``: row ``j`` = ``(prompt index, start, end)`` prefills that

@@ -233,7 +233,7 @@ class LlamaCppPolicy(ChunkedDecoder, Policy):
             pass
 
     # --- generation ---------------------------------------------------------------------
-    def _prompt_ids(self, req: GenRequest) -> list[int]:
+    def prompt_ids_of(self, req: GenRequest) -> list[int]:
         return request_prompt_ids("llamacpp", req, self.tokenizer, self.n_vocab, self.n_ctx, "n_ctx")
 
     @property
@@ -280,10 +280,10 @@ class LlamaCppPolicy(ChunkedDecoder, Policy):
                              else lg.GBNFEngine(*args, eos, self._np))
         return self._grammar
 
-    def _guide(self, grammar: Any) -> Any:
+    def guide_for(self, grammar: Any) -> Any:
         return self._grammar_engine().guide(grammar)
 
-    def _mask(self, state: Any, logits: Any, guides: list[Any]) -> Any:
+    def mask_logits(self, state: Any, logits: Any, guides: list[Any]) -> Any:
         return self._grammar_engine().mask(logits, guides)
 
     def clear_cache(self) -> None:
@@ -379,7 +379,7 @@ class LlamaCppPolicy(ChunkedDecoder, Policy):
             if len(kv[s]) - keep >= store.min_tokens:
                 store.save(s, kv[s])
 
-    def _prefill(self, chunk: list[tuple[int, int]], prompts: list[list[int]],
+    def prefill_chunk(self, chunk: list[tuple[int, int]], prompts: list[list[int]],
                  rows: list[Row]) -> tuple[list[int], Any]:
         """Evaluate the chunk's prompts, reusing and sharing KV streams; the decoding state is
         the stream of each chunk row. Records in ``_cached`` each request's prompt tokens that
@@ -458,7 +458,7 @@ class LlamaCppPolicy(ChunkedDecoder, Policy):
 
     def _sample_rows(self, state: list[int], logits: Any,
                      rows: list[Row]) -> tuple[list[int], list[float]]:
-        tokens, lps = _sample(self._np, logits, [r.params for r in rows], [r.rng for r in rows])
+        tokens, lps = sample_tokens(self._np, logits, [r.params for r in rows], [r.rng for r in rows])
         return tokens.tolist(), lps.tolist()
 
     def _step(self, stream_of: list[int], tokens: list[int], active: list[int],
@@ -509,7 +509,7 @@ class LlamaCppPolicy(ChunkedDecoder, Policy):
                          for i in idx])
 
 
-def _sample(np: Any, logits: Any, params: list[Any], rng: Any) -> tuple[Any, Any]:
+def sample_tokens(np: Any, logits: Any, params: list[Any], rng: Any) -> tuple[Any, Any]:
     """One token per row (temperature 0 = greedy; else temperature + top-p); returns the tokens
     and their raw log-probabilities (``log_softmax`` of the unscaled logits). ``rng``: one
     generator (anything with ``random()``) for all rows, or a list of one per row."""

@@ -224,7 +224,7 @@ class VLLMPolicy(Policy):
         self._shutdown()
 
     # --- generation ---------------------------------------------------------------------
-    def _prompt_ids(self, req: GenRequest) -> list[int]:
+    def prompt_ids_of(self, req: GenRequest) -> list[int]:
         return request_prompt_ids("vllm", req, self.tokenizer, self._vocab, self.max_model_len,
                                   "max_model_len")
 
@@ -259,7 +259,7 @@ class VLLMPolicy(Policy):
     def generate(self, requests: list[GenRequest]) -> list[list[Generation]]:
         if self.llm is None:
             raise PolicyError("vllm: policy is closed")
-        prompts = [self._prompt_ids(r) for r in requests]  # a bad prompt fails before any work
+        prompts = [self.prompt_ids_of(r) for r in requests]  # a bad prompt fails before any work
         out: list[list[Generation]] = [[] for _ in requests]
         run = []
         for i, (req, ids) in enumerate(zip(requests, prompts)):
@@ -299,7 +299,7 @@ class VLLMPolicy(Policy):
         final_only = self._vllm.sampling_params.RequestOutputKind.FINAL_ONLY
         for ticket, req in tickets:
             try:
-                ids = self._prompt_ids(req)
+                ids = self.prompt_ids_of(req)
             except PolicyError as exc:  # a bad request fails alone
                 self._done.append((ticket, exc))
                 continue
