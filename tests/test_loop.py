@@ -88,6 +88,12 @@ def test_killed_loop_resumes_to_the_unbroken_result(tiny_agent_model, tmp_path):
     eval1 = json.loads((whole / "round_1/eval/stage.json").read_text())["rows"]
     name, budget = results["heldout_strategy"].split("@")
     assert results["rounds"][1]["heldout"]["successes"] == eval1[name][budget]["successes"]
+    # every stage records the commit it ran at; a round lists its stages' commits
+    from train.loop import git_commit
+
+    here = git_commit()
+    assert json.loads((whole / "round_1/train_sft/stage.json").read_text())["git"] == here
+    assert all(r["git"] == ([here] if here else []) for r in results["rounds"])
 
     for png in ("learning_curve.png", "tokens_per_solved.png"):  # the report's two curves
         assert (whole / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -113,7 +119,7 @@ def test_killed_loop_resumes_to_the_unbroken_result(tiny_agent_model, tmp_path):
     assert found["strategy"].startswith("best_of_n:n=2")
     assert (found["tasks"], found["successes"]) == (row["tasks"], row["successes"]) == (2, row["successes"])
     assert found["tokens_per_task"] == round((row["prompt_tokens"] + row["completion_tokens"]) / 2) > 0
-    assert set(found["vs_best_greedy"]) == {"b_only", "a_only", "p_value"}
+    assert set(found["vs_best_greedy"]) == {"b_only", "a_only", "p_value"} and found["git"] == here
 
     broken = tmp_path / "broken"
     proc = subprocess.Popen(_cmd(_argv(tiny_agent_model, broken)), env=env, cwd=ROOT,
@@ -488,3 +494,21 @@ def test_the_shipped_loop_configs_search_mcts_at_scale(name):
     assert cfg.test_limit == 200
     # and they end with the issue's search on the kept checkpoint: MCTS at 5,000 tokens a puzzle
     assert parse_spec(cfg.best_search)[0] == "mcts" and cfg.best_budget == "tokens=5000"
+
+
+def test_the_recorded_commit_is_marked_dirty_when_tracked_files_differ_from_it(tmp_path):
+    from train.loop import git_commit
+
+    assert git_commit(tmp_path) is None  # not a checkout
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git + ["init", "-q"], check=True)
+    (tmp_path / "code.py").write_text("x = 1\n")
+    subprocess.run(git + ["add", "code.py"], check=True)
+    subprocess.run(git + ["commit", "-qm", "one"], check=True)
+    head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], check=True, capture_output=True,
+                          text=True).stdout.strip()
+    assert git_commit(tmp_path) == head
+    (tmp_path / "notes.txt").write_text("untracked files do not change the code that ran\n")
+    assert git_commit(tmp_path) == head
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert git_commit(tmp_path) == head + "-dirty"

@@ -59,6 +59,7 @@ class Run:
     def __init__(self, cfg: LoopConfig):
         self.cfg = cfg
         self.root = Path(cfg.out)
+        self.git = git_commit()  # recorded in every stage this process runs
 
     def open(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -86,6 +87,7 @@ class Run:
         t0 = time.perf_counter()
         info = fn(partial)
         info["seconds"] = round(time.perf_counter() - t0, 1)
+        info["git"] = self.git
         _write_json(partial / "stage.json", info)
         partial.rename(final)
         print(f"[loop] {name} done in {info['seconds']} s", file=sys.stderr, flush=True)
@@ -187,30 +189,37 @@ def write_results(run: Run, history: list[dict[str, Any]], best_search: dict[str
     from .loop_report import results_record
 
     seconds = stage_seconds(history) + sum((x or {}).get("seconds", 0.0) for x in (best_search, (best or {}).get("eval")))
+    searched = None
+    if best_search:
+        searched = {**best_search["record"], "git": best_search.get("git")}
     _write_json(run.root / "results.json", results_record(
-        run.cfg, history, command=shlex.join(["omrl", *sys.argv[1:]]), git=git_commit(),
-        hours=seconds / 3600, search_on_best=(best_search or {}).get("record"), best=best))
+        run.cfg, history, command=shlex.join(["omrl", *sys.argv[1:]]), git=run.git,
+        hours=seconds / 3600, search_on_best=searched, best=best))
 
 
-def git_commit() -> str | None:
-    """The commit of the code that ran (None outside a git checkout)."""
+def git_commit(here: Path | None = None) -> str | None:
+    """The commit of the code that ran (the checkout holding ``here``, this package by default),
+    with ``-dirty`` when tracked files differ from it (as ``git describe --dirty`` marks it);
+    None outside a git checkout."""
     import subprocess
 
+    here = here or Path(__file__).resolve().parent
     try:
         done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, timeout=10)
+                              cwd=here, timeout=10)
+        if done.returncode != 0 or not done.stdout.strip():
+            return None
+        clean = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=here, timeout=30).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return done.stdout.strip() or None if done.returncode == 0 else None
+    return done.stdout.strip() + ("" if clean else "-dirty")
 
 
 def stage_seconds(history: list[dict[str, Any]]) -> float:
     """The seconds the recorded stages took (``Run.stage`` puts ``seconds`` in each)."""
-    infos = []
-    for h in history:
-        infos += [v for k, v in h.items() if k not in ("round", "policy", "stages")]
-        infos += [s[k] for s in h.get("stages", []) for k in ("train", "dev")]
-    return float(sum(i.get("seconds", 0.0) for i in infos if isinstance(i, dict)))
+    from .loop_report import stage_infos
+
+    return float(sum(i.get("seconds", 0.0) for h in history for i in stage_infos(h)))
 
 
 def _summary(info: dict[str, Any], best: dict[str, Any]) -> dict[str, Any]:

@@ -157,6 +157,8 @@ RESULTS_SCHEMA = {
             "properties": {
                 "round": {"type": "integer", "minimum": 0}, "policy": {"type": "string"}, "heldout": _RATE,
                 "vs_previous": {"type": ["object", "null"], "required": ["b_only", "a_only", "p_value"]},
+                # the commits the round's stages ran at (a run stopped and started again may mix)
+                "git": {"type": "array", "items": {"type": "string"}},
                 "train_search": {"type": ["object", "null"], "required": ["tasks", "successes", "rows"]}}}},
         "search_on_best": {"type": ["object", "null"], "required": ["strategy", "tasks", "successes",
                                                                     "tokens_per_task", "ci_low", "ci_high"]},
@@ -192,7 +194,8 @@ def results_record(cfg: Any, history: list[dict[str, Any]], *, command: str, git
                       "rows": {k: v for k, v in h["data"]["rows"].items() if isinstance(v, int)}}
         rounds.append({"round": r, "policy": h.get("policy") or h["eval"].get("policy") or cfg.policy,
                        "heldout": {k: row[k] for k in ("tasks", "successes", "ci_low", "ci_high")},
-                       "vs_previous": vs, "train_search": search})
+                       "vs_previous": vs, "train_search": search,
+                       "git": sorted({i["git"] for i in stage_infos(h) if i.get("git")})})
     host = dict(last.get("host") or {})
     host["dtype"] = last.get("dtype")
     record = {"env": cfg.env, "command": command, "git": git, "host": host, "hours": round(hours, 3),
@@ -204,6 +207,14 @@ def results_record(cfg: Any, history: list[dict[str, Any]], *, command: str, git
             (searched,) = per.values()
             record["search_on_best"] = {**search_on_best, "vs_best_greedy": _versus(greedy, searched)}
     return record
+
+
+def stage_infos(round_info: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ``stage.json`` records of one round's history entry: its stages (curriculum, search,
+    labels, prm, data, eval) and each trainer's train and dev stage."""
+    infos = [v for k, v in round_info.items() if k not in ("round", "policy", "stages")]
+    infos += [s[k] for s in round_info.get("stages", []) for k in ("train", "dev")]
+    return [i for i in infos if isinstance(i, dict)]
 
 
 def _versus(before: dict[str, bool] | None, now: dict[str, bool] | None) -> dict[str, Any] | None:
