@@ -101,14 +101,14 @@ class Metered(om.Policy):
         """Count the tokens the backend prefills (hf: forward calls that keep only the last
         logits; llamacpp: tokens evaluated before decoding); False for other backends."""
         inner = self.inner
-        if hasattr(inner, "_evaluate"):  # llamacpp
-            evaluate = inner._evaluate
+        if hasattr(inner, "evaluate_tokens"):  # llamacpp
+            evaluate = inner.evaluate_tokens
 
             def counted(tokens):
                 self.prefilled += len(tokens)
                 return evaluate(tokens)
 
-            inner._evaluate = counted
+            inner.evaluate_tokens = counted
             return True
         model = getattr(inner, "model", None)
         if model is None or not hasattr(model, "forward"):

@@ -171,11 +171,11 @@ class TurnEncoder:
     completion already ended with the end-of-turn token, that token is not added again.
     """
 
-    _SENTINEL = "\u2063omrl-sentinel\u2063"
+    SENTINEL = "\u2063omrl-sentinel\u2063"
 
     def __init__(self, tokenizer: ChatTokenizer):
         self.tok = tokenizer
-        s = self._SENTINEL
+        s = self.SENTINEL
         base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": s}]
         closed = tokenizer.render(base, add_generation_prompt=False)
         cut = closed.rindex(s) + len(s)

@@ -118,7 +118,7 @@ class StepEncoder:
             raise ValueError(f"input must be one of {', '.join(INPUTS)}, got {input!r}")
         self.tok, self.read, self.input, self.max_length = tokenizer, read, input, int(max_length)
         self.turns = TurnEncoder(tokenizer)
-        s = TurnEncoder._SENTINEL
+        s = TurnEncoder.SENTINEL
         closed = tokenizer.render([{"role": "user", "content": "x"},
                                    {"role": "assistant", "content": s}], add_generation_prompt=False)
         close = closed[closed.rindex(s) + len(s):].rstrip("\n ")

@@ -65,7 +65,7 @@ def test_greedy_generation(policy: LlamaCppPolicy) -> None:
 def test_fresh_cache_matches_reused_cache(policy: LlamaCppPolicy) -> None:
     reqs = [GenRequest(MSGS, greedy(8)), GenRequest(OTHER, greedy(8))]
     warm = policy.generate(reqs)
-    policy._reset_kv()
+    policy.clear_cache()
     cold = policy.generate(reqs)
     for a, b in zip(warm, cold):
         assert a[0].token_ids == b[0].token_ids
@@ -92,10 +92,10 @@ def test_shared_system_prompt_evaluated_once(policy: LlamaCppPolicy) -> None:
     """Both prompts get SmolLM2's default system prompt (> 16 shared tokens): it is evaluated in
     one stream and copied; results equal each prompt evaluated alone from an empty cache."""
     reqs = [GenRequest(MSGS, greedy(6)), GenRequest([{"role": "user", "content": "Name a colour."}], greedy(6))]
-    policy._reset_kv()
+    policy.clear_cache()
     together = policy.generate(reqs)
     for r, gs in zip(reqs, together):
-        policy._reset_kv()
+        policy.clear_cache()
         alone = policy.generate([r])[0][0]
         assert gs[0].token_ids == alone.token_ids
         assert gs[0].logprobs == pytest.approx(alone.logprobs, abs=1e-3)
@@ -110,7 +110,7 @@ def test_next_turn_reuses_kv_and_matches_fresh(policy: LlamaCppPolicy) -> None:
     p2 = p1 + g1.token_ids + tok.encode("<|im_end|>\n<|im_start|>user\nAnd of Italy?<|im_end|>\n"
                                         "<|im_start|>assistant\n")
     warm = policy.generate([GenRequest(MSGS, greedy(6), prompt_ids=p2)])[0][0]
-    policy._reset_kv()
+    policy.clear_cache()
     cold = policy.generate([GenRequest(MSGS, greedy(6), prompt_ids=p2)])[0][0]
     assert warm.token_ids == cold.token_ids
     assert warm.logprobs == pytest.approx(cold.logprobs, abs=1e-3)
@@ -213,7 +213,7 @@ def test_cached_tokens_counted_and_off_switch(policy: LlamaCppPolicy) -> None:
     tok = policy.tokenizer
     p1 = tok.encode(tok.render(MSGS, True))
     assert len(p1) < 64
-    policy._reset_kv()
+    policy.clear_cache()
     g1 = policy.generate([GenRequest(MSGS, sampled(6), prompt_ids=p1)])[0][0]
     assert g1.cached_tokens == 0
     p2 = _next_turn(policy, p1, g1)
@@ -241,13 +241,13 @@ def test_saved_state_restore_is_exact(policy: LlamaCppPolicy) -> None:
     tok = policy.tokenizer
     p1 = tok.encode(tok.render(LONG, True))
     assert len(p1) > 64
-    policy._reset_kv()
+    policy.clear_cache()
     g1 = policy.generate([GenRequest(LONG, sampled(), prompt_ids=p1)])[0][0]
     p2 = _next_turn(policy, p1, g1)
     live = policy.generate([GenRequest(LONG, sampled(seed=3), prompt_ids=p2)])[0][0]
     assert live.cached_tokens == len(p1) + len(g1.token_ids) - 1
 
-    policy._reset_kv()
+    policy.clear_cache()
     g1b = policy.generate([GenRequest(LONG, sampled(), prompt_ids=p1)])[0][0]
     assert g1b.token_ids == g1.token_ids and g1b.logprobs == g1.logprobs
     others = [GenRequest([{"role": "user", "content": f"Count to {i} in words, then stop. " * 6}],
@@ -269,7 +269,7 @@ def test_reuse_close_to_cold_prefill_on_long_prompts(policy: LlamaCppPolicy) -> 
 
     tok = policy.tokenizer
     p1 = tok.encode(tok.render(LONG, True))
-    policy._reset_kv()
+    policy.clear_cache()
     g1 = policy.generate([GenRequest(LONG, greedy(8), prompt_ids=p1)])[0][0]
     p2 = _next_turn(policy, p1, g1)
 
@@ -280,7 +280,7 @@ def test_reuse_close_to_cold_prefill_on_long_prompts(policy: LlamaCppPolicy) -> 
 
     warm = first_logits()
     assert policy._cached[0] == len(p1) + len(g1.token_ids) - 1
-    policy._reset_kv()
+    policy.clear_cache()
     cold = first_logits()
     assert policy._cached[0] == 0
 
@@ -312,9 +312,9 @@ def test_saved_state_store_stays_under_its_limit(policy: LlamaCppPolicy) -> None
     from omrl_search.backends._llamacpp_cache import SeqStateStore
 
     tok = policy.tokenizer
-    policy._reset_kv()
+    policy.clear_cache()
     ids = tok.encode(tok.render(LONG, True))
-    policy._evaluate([(0, i, t, None) for i, t in enumerate(ids)])
+    policy.evaluate_tokens([(0, i, t, None) for i, t in enumerate(ids)])
     size = policy._ll.llama_state_seq_get_size(policy._ctx, 0)
     store = SeqStateStore(policy._ll, policy._ctx, int(size * 2.5))
     for k in range(5):  # five states of one stream, none a prefix of another
@@ -326,7 +326,7 @@ def test_saved_state_store_stays_under_its_limit(policy: LlamaCppPolicy) -> None
     assert not store.save(0, ids[:-1] + [1004])  # already held
     assert store.save(0, ids[:-1] + [1004, 7])  # extends an entry: replaces it
     assert len(store) == 2
-    policy._reset_kv()
+    policy.clear_cache()
 
 
 def test_prefill_tokens_sum_to_tokens_evaluated(policy: LlamaCppPolicy, monkeypatch) -> None:
@@ -337,16 +337,16 @@ def test_prefill_tokens_sum_to_tokens_evaluated(policy: LlamaCppPolicy, monkeypa
                for task in ("Use the numbers 1 4 12 12 to make 24.", "Put a clean mug on the desk.")
                for obs in ("look", "open the door")]
     evaluated: list = []
-    evaluate = policy._evaluate
-    monkeypatch.setattr(policy, "_evaluate", lambda toks: evaluated.extend(toks) or evaluate(toks))
-    policy._reset_kv()
+    evaluate = policy.evaluate_tokens
+    monkeypatch.setattr(policy, "evaluate_tokens", lambda toks: evaluated.extend(toks) or evaluate(toks))
+    policy.clear_cache()
     for extra in ([], tok.encode(" and then look again")):
         evaluated.clear()
         reqs = [GenRequest([], greedy(3, n=2), p + extra) for p in prompts]
         out = policy.generate(reqs)
         prefill = [gs[0].prompt_tokens - gs[0].cached_tokens for gs in out]
         assert all(g.cached_tokens == gs[0].cached_tokens for gs in out for g in gs)
-        assert sum(prefill) == len(evaluated)  # decoding steps do not go through _evaluate
+        assert sum(prefill) == len(evaluated)  # decoding steps do not go through evaluate_tokens
         assert all(p > 0 for p in prefill) or extra == []
 
 

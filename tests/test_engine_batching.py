@@ -335,9 +335,9 @@ def test_llamacpp_groups_evaluated_once_and_results_equal_alone(monkeypatch):
                for obs in ("look", "open the door")]
     reqs = [GenRequest([], SamplingParams(temperature=0.0, max_tokens=4), p) for p in prompts]
     evaluated = []
-    evaluate = policy._evaluate
-    monkeypatch.setattr(policy, "_evaluate", lambda toks: evaluated.extend(toks) or evaluate(toks))
-    policy._reset_kv()
+    evaluate = policy.evaluate_tokens
+    monkeypatch.setattr(policy, "evaluate_tokens", lambda toks: evaluated.extend(toks) or evaluate(toks))
+    policy.clear_cache()
     together = policy.generate(reqs)
     base, groups = prefix_groups(prompts, policy.min_shared_prefix)
     assert base and len(groups) == 2 and all(len(m) == 2 for m, _ in groups)
@@ -345,7 +345,7 @@ def test_llamacpp_groups_evaluated_once_and_results_equal_alone(monkeypatch):
         len(prompts[u]) - q for members, q in groups for u in members)
     assert len(evaluated) == unique < sum(map(len, prompts))
     for r, gens in zip(reqs, together):
-        policy._reset_kv()
+        policy.clear_cache()
         alone = policy.generate([r])[0][0]
         assert gens[0].token_ids == alone.token_ids
         assert gens[0].logprobs == pytest.approx(alone.logprobs, abs=1e-3)

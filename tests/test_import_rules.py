@@ -94,11 +94,17 @@ def test_the_checker_sees_lazy_and_dynamic_imports(tmp_path):
     assert not any("see train" in module for module, _ in got)
 
 
-# --- no private names across modules in the core (issue 40) ------------------------------------
+# --- no private names across modules in the packages (issue 40) -----------------------------------
 #: namedtuple's public methods, spelled with a leading underscore
 PUBLIC_UNDERSCORE = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
-#: reaches into private names allowed anyway: none left (a new one fails)
-KNOWN: set[tuple[str, str]] = set()
+#: reaches into private names allowed anyway, each a third-party object's with no public
+#: equivalent that the checker cannot tell from ours (a new one fails)
+KNOWN: dict[tuple[str, str], str] = {
+    ("reward_models/prefix_scoring.py", "_version"): "torch's in-place version counter of a tensor",
+    ("benchmarks/trainer_throughput.py", "_compute_loss"): "TRL's GRPOTrainer loss, timed alone",
+}
+#: the folders whose modules the check reads (tests may open up what they test)
+CHECKED = ("omrl_search", "strategies", "reward_models", "train", "benchmarks")
 
 
 def _private(name: str) -> bool:
@@ -170,14 +176,14 @@ def private_reaches(path: Path) -> list[tuple[int, str, str]]:
 
 def private_violations() -> list[str]:
     bad = []
-    for path in sorted((ROOT / "omrl_search").rglob("*.py")):
+    for path in sorted(p for folder in CHECKED for p in (ROOT / folder).rglob("*.py")):
         rel = str(path.relative_to(ROOT))
         bad += [f"{rel}:{line}: {how} {name!r} of another module"
                 for line, name, how in private_reaches(path) if (rel, name) not in KNOWN]
     return bad
 
 
-def test_the_core_takes_no_private_name_from_another_module():
+def test_no_package_takes_a_private_name_from_another_module():
     assert private_violations() == []
 
 

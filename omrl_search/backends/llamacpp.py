@@ -417,7 +417,7 @@ class LlamaCppPolicy(ChunkedDecoder, Policy):
             root = leader[root_ri]
             if len(kv[root]) < P:
                 have = len(kv[root])
-                self._evaluate([(root, pos, prompts[root_ri][pos], None) for pos in range(have, P)])
+                self.evaluate_tokens([(root, pos, prompts[root_ri][pos], None) for pos in range(have, P)])
                 computed[root_ri] += P - have
                 kv[root] = list(prompts[root_ri][:P])
             for ri in members:
@@ -433,7 +433,7 @@ class LlamaCppPolicy(ChunkedDecoder, Policy):
             computed[ri] += len(p) - len(kv[st])
             pending.extend((st, pos, p[pos], ri if pos == len(p) - 1 else None)
                            for pos in range(len(kv[st]), len(p)))
-        first_logits = self._evaluate(pending)
+        first_logits = self.evaluate_tokens(pending)
         for ri, st in leader.items():
             kv[st] = list(prompts[ri])
         self._cached = {ri: len(prompts[ri]) - c for ri, c in computed.items()}
@@ -471,7 +471,7 @@ class LlamaCppPolicy(ChunkedDecoder, Policy):
         self._decode(len(keep))
         return keep, self._logits(range(len(keep)))
 
-    def _evaluate(self, tokens: list[tuple[int, int, int, Any]]) -> dict[Any, Any]:
+    def evaluate_tokens(self, tokens: list[tuple[int, int, int, Any]]) -> dict[Any, Any]:
         """Evaluate ``(stream, position, token, key)`` in batches of ``n_batch``; return the
         logits of the tokens whose key is not None, by key."""
         out: dict[Any, Any] = {}
