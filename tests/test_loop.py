@@ -149,6 +149,17 @@ def test_a_run_folder_refuses_other_settings(tiny_agent_model, tmp_path, capsys)
     assert len(err) == 1 and "other settings" in err[0] and "env" in err[0]
 
 
+@pytest.mark.parametrize("setting,needle", [("expert_demos=100000", "expert_demos 100000 is more than the"),
+                                             ("dev_limit=100000", "dev_limit 100000 leaves no train task")])
+def test_more_tasks_than_the_train_split_holds_is_one_line_before_any_work(tiny_agent_model, tmp_path,
+                                                                            capsys, setting, needle):
+    out = tmp_path / "run"
+    assert main(_argv(tiny_agent_model, out) + ["--set", setting]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+    assert not list(out.glob("round_*"))
+
+
 @pytest.mark.parametrize("flag,value,needle", [("--strategies", "react,nosuch", "nosuch"),
                                                 ("--set", "first=[rlhf]", "rlhf"),
                                                 ("--budgets", "tokens=abc", "tokens"),
@@ -512,3 +523,22 @@ def test_the_recorded_commit_is_marked_dirty_when_tracked_files_differ_from_it(t
     assert git_commit(tmp_path) == head
     (tmp_path / "code.py").write_text("x = 2\n")
     assert git_commit(tmp_path) == head + "-dirty"
+
+
+def test_set_overrides_a_flag_and_a_config_file(tmp_path):
+    """The documented precedence: defaults < --config < flags < --set."""
+    import argparse
+
+    from train.loop import config_from_args, configure
+
+    (tmp_path / "loop.yaml").write_text("env: countdown\ntrain_limit: 7\nrs_cap: 3\n")
+    p = argparse.ArgumentParser()
+    configure(p)
+    args = p.parse_args(["--config", str(tmp_path / "loop.yaml"), "--train-limit", "4", "--out", "x",
+                         "--set", "train_limit=5", "--set", "trainer_settings.sft.max_steps=9"])
+    cfg = config_from_args(args)
+    assert (cfg.env, cfg.train_limit, cfg.rs_cap) == ("countdown", 5, 3)
+    assert cfg.trainer_settings["sft"]["max_steps"] == 9
+    cfg = config_from_args(p.parse_args(["--config", str(tmp_path / "loop.yaml"), "--train-limit", "4",
+                                         "--out", "x"]))
+    assert cfg.train_limit == 4

@@ -39,7 +39,7 @@ from omrl_search.report import collect, render
 from omrl_search.result import write_text_atomic
 
 from . import loop_stages as st
-from .config import TrainError, settings_from_sources
+from .config import TrainError, override_items, settings_from_sources
 from .loop_config import LoopConfig
 from .loop_stages import TaskSets
 
@@ -257,8 +257,8 @@ def config_from_args(args: argparse.Namespace) -> LoopConfig:
         flags["prm"] = False
     if args.no_progress:
         flags["progress"] = False
-    base = settings_from_sources(LoopConfig, args.config, list(args.set))
-    return settings_from_sources(LoopConfig, None, {**base.model_dump(), **flags})
+    # defaults < --config < flags < --set (a --set key given as a flag too wins)
+    return settings_from_sources(LoopConfig, args.config, {**flags, **dict(override_items(list(args.set)))})
 
 
 def html_report(root: Path) -> Path:

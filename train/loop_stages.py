@@ -17,6 +17,7 @@ from omrl_search.result import read_results
 from omrl_search.types import SamplingParams, Task
 
 from . import loop_curriculum as curriculum
+from .config import TrainError
 from .loop_config import TRAINER_OF, TRAINERS, LoopConfig
 from .loop_select import check_disjoint, decide, dev_score, dev_slice, without
 
@@ -54,10 +55,13 @@ class TaskSets:
     def __init__(self, cfg: "LoopConfig"):
         train = om.load_tasks(cfg.env, "train")
         if cfg.dev_limit >= len(train):
-            raise ValueError(f"dev_limit {cfg.dev_limit} leaves no train task ({cfg.env} has {len(train)})")
+            raise TrainError(f"dev_limit {cfg.dev_limit} leaves no train task ({cfg.env} has {len(train)})")
         self.cfg = cfg
         self.dev = dev_slice(train, cfg.dev_limit)
         self.pool = without(train[:len(train) - cfg.dev_limit], self.dev)
+        if cfg.expert_demos > len(self.pool):  # not silently fewer than asked
+            raise TrainError(f"expert_demos {cfg.expert_demos} is more than the {len(self.pool)} {cfg.env} "
+                             f"train tasks outside the dev slice (dev_limit {cfg.dev_limit})")
 
     def test(self) -> list[Task]:
         return om.load_tasks(self.cfg.env, "test", self.cfg.test_limit)
