@@ -123,7 +123,8 @@ class SciWorldSim(Env):
         self.sw: Any = None  # the ScienceWorldEnv, started at the first reset
         self.loads = 0  # world loads so far (each costs 0.02-0.3 s)
         self.task: Task | None = None
-        self._gold_key: tuple[str, int, str] = ("", 0, "")
+        # (family, variation, simplifications) of the loaded task; SciWorldEnv keys its traces by it
+        self.gold_key: tuple[str, int, str] = ("", 0, "")
 
     # --- episode ---------------------------------------------------------------------------
     def reset(self, task: Task) -> str:
@@ -135,7 +136,7 @@ class SciWorldSim(Env):
         except Exception as exc:
             raise EnvError(f"ScienceWorld cannot load {family} variation {variation}: {exc}") from None
         self.loads += 1
-        self.task, self._gold_key = task, (family, variation, simplifications)
+        self.task, self.gold_key = task, (family, variation, simplifications)
         # ScienceWorld updates its score and completion flag only when stepping: until the first
         # step they still hold the last episode's values, so the episode's own are kept here
         self.steps, self.score, self.completed, self.done, self.success = 0, 0, False, False, False
@@ -197,7 +198,7 @@ class SciWorldSim(Env):
     def state_key(self) -> str:
         if self.task is None:
             raise EnvError("state_key() before reset()")
-        return stable_hash((self._gold_key, self.steps, self.done, self.obs, self.world()))
+        return stable_hash((self.gold_key, self.steps, self.done, self.obs, self.world()))
 
     def snapshot(self) -> Snapshot:
         raise EnvError("SciWorldSim has no snapshots: use SciWorldEnv (replay)")
@@ -209,14 +210,14 @@ class SciWorldSim(Env):
     def gold(self) -> tuple[str, ...]:
         """ScienceWorld's gold action sequence for the current task, generated once and cached
         (generation is random: two runs can differ in length, so all instances share one)."""
-        store, key = cached("gold"), _gold_id(self._gold_key)
+        store, key = cached("gold"), _gold_id(self.gold_key)
         if key not in store:
             sw, before = self.sw, self.world()
-            sw.load(*self._gold_key, True)
+            sw.load(*self.gold_key, True)
             seq = list(sw.get_gold_action_sequence())
             store[key] = [] if not seq or seq[0].startswith("ERROR") else seq
             save_cache()
-            sw.load(*self._gold_key, False)  # back to the episode: reload and redo its steps
+            sw.load(*self.gold_key, False)  # back to the episode: reload and redo its steps
             self.loads += 1
             for action, _ in self.trace:
                 if action:
@@ -306,7 +307,7 @@ class SciWorldEnv(ReplayEnv):
         result = super().step(action)
         if len(_TRACES) > 200_000:
             _TRACES.clear()
-        _TRACES[self.inner._gold_key, self._actions] = (tuple(self.inner.trace), self.inner.done)
+        _TRACES[self.inner.gold_key, self._actions] = (tuple(self.inner.trace), self.inner.done)
         return result
 
     def restore(self, snapshot: Snapshot) -> None:
