@@ -252,6 +252,35 @@ def test_rs_sft_dpo_and_grpo_stages_train_on_the_rounds_exports(tiny_agent_model
             assert "groups_flat" in (d / "model" / "metrics.jsonl").read_text()
 
 
+def test_expert_levels_add_demonstrations_from_each_levels_own_stream(tmp_path):
+    """``expert_levels``: round 1's demonstrations also come from the curriculum levels' own
+    task streams, so a run can have more than the train split holds, without a train-split
+    puzzle (no dev puzzle, no pool demonstration twice); asking too many is one error."""
+    import omrl_search as om
+    from train.config import TrainError
+    from train.loop import LoopConfig
+    from train.loop_select import puzzle_key
+    from train.loop_stages import TaskSets
+
+    cur = {"knob": "level", "levels": [1, 2, 3]}
+    cfg = LoopConfig(env="countdown", policy="scripted:oracle:p=0", agent="act", expert_demos=3,
+                     expert_levels={1: 4, 3: 5}, curriculum=cur, dev_limit=5, prm=False,
+                     progress=False, out=str(tmp_path))
+    cfg.check()
+    sets = TaskSets(cfg)
+    assert sets.demos[:3] == sets.pool[:3] and len(sets.demos) == 12
+    levels = [t.data["level"] for t in sets.demos[3:]]
+    assert levels == [1] * 4 + [3] * 5
+    train = {puzzle_key(t) for t in om.load_tasks("countdown", "train")}
+    assert not any(puzzle_key(t) in train for t in sets.demos[3:])
+    with pytest.raises(TrainError, match="level 1 has"):
+        TaskSets(cfg.model_copy(update={"expert_levels": {1: 100000}}))
+    for bad, needle in (({"expert_levels": {4: 1}}, "not a curriculum level"),
+                        ({"curriculum": None}, "set curriculum")):
+        with pytest.raises(ValueError, match=needle):
+            cfg.model_copy(update=bad).check()
+
+
 def test_agent_act_reaches_the_loops_searches_demonstrations_and_evals(tmp_path):
     """``agent: act``: the round's search, its solver demonstrations and the evals all run in
     the act format (trees record it, steps are Act lines alone), so what is trained on is what

@@ -7,7 +7,8 @@ evaluates the base policy on the dev slice and the test split; each round ``r`` 
 1. ``curriculum`` (with ``curriculum:``) — probes each difficulty level's search success and picks
    the levels within the band (:mod:`train.loop_curriculum`);
 2. ``search`` — searches train tasks (never a dev-slice puzzle) with the current policy, guided by
-   the current PRM, and in round 1 adds ``expert_demos`` solver demonstrations;
+   the current PRM, and in round 1 adds ``expert_demos`` solver demonstrations (and
+   ``expert_levels``' from the curriculum levels' own task streams);
 3. ``labels`` / ``prm`` — Monte-Carlo step labels and a PRM trained on the labels of all rounds;
 4. ``data`` — SFT rows, rejection-sampling SFT rows (the round's own successes), DPO pairs, GRPO
    groups (:mod:`omrl_search.exports`);
@@ -50,7 +51,7 @@ class LoopError(Exception):
 
 # --- stages ------------------------------------------------------------------------------------
 #: settings added after runs were started, as those runs behaved (their loop.json lacks them)
-LEGACY_SETTINGS = {"continue_from": "kept"}
+LEGACY_SETTINGS = {"continue_from": "kept", "expert_levels": {}}
 
 
 class Run:

@@ -42,6 +42,10 @@ class LoopConfig(BaseModel):
     search_strategy: str = "best_of_n:n=4"
     search_budget: str = "tokens=4000"
     expert_demos: int = Field(0, ge=0)  # solver demonstrations added to round 1's data
+    # more demonstrations than the train split holds: {level: count} of the curriculum levels'
+    # own task streams (puzzles of the plain train split left out, so no dev puzzle and no pool
+    # demonstration twice), added to round 1's data beside expert_demos
+    expert_levels: dict[int | str, int] = Field(default_factory=dict)
     curriculum: CurriculumSettings | None = None
     # the PRM
     prm: bool = True
@@ -132,6 +136,14 @@ class LoopConfig(BaseModel):
             raise ValueError("process_rewards: prm needs the loop's PRM (prm: true)")
         if self.curriculum is not None:
             check_levels(self.env, self.curriculum)
+        if self.expert_levels:
+            levels = self.curriculum.levels if self.curriculum is not None else []
+            if not levels:
+                raise ValueError("expert_levels: draws from the curriculum's levels; set curriculum")
+            for level, count in self.expert_levels.items():
+                if level not in levels or count < 0:
+                    raise ValueError(f"expert_levels: {level}: {count} is not a curriculum level "
+                                     f"({', '.join(map(str, levels))}) with a count >= 0")
         for key in ("policy", "prm_base"):  # before loop.json or any stage is written
             model = getattr(self, key)
             if key == "prm_base" and not self.prm:

@@ -62,6 +62,18 @@ class TaskSets:
         if cfg.expert_demos > len(self.pool):  # not silently fewer than asked
             raise TrainError(f"expert_demos {cfg.expert_demos} is more than the {len(self.pool)} {cfg.env} "
                              f"train tasks outside the dev slice (dev_limit {cfg.dev_limit})")
+        self.demos = self.pool[:cfg.expert_demos] + self._level_demos(train)
+
+    def _level_demos(self, train: list[Task]) -> list[Task]:
+        """``expert_levels``' tasks: each level's own stream without the train split's puzzles."""
+        out: list[Task] = []
+        for level, count in self.cfg.expert_levels.items():
+            tasks = curriculum.level_tasks(self.cfg.env, self.cfg.curriculum, level, train, 0, count)
+            if len(tasks) < count:  # not silently fewer than asked
+                raise TrainError(f"expert_levels: level {level} has {len(tasks)} {self.cfg.env} tasks "
+                                 f"outside the train split, not {count}")
+            out += tasks
+        return out
 
     def test(self) -> list[Task]:
         return om.load_tasks(self.cfg.env, "test", self.cfg.test_limit)
@@ -101,7 +113,7 @@ def search_stage(cfg: "LoopConfig", sets: TaskSets, r: int, model: str, prm: str
                  plan: dict[str, Any] | None = None):
     """The round's train-split search: ``train_limit`` tasks of the pool, or with a curriculum
     (``plan``: the curriculum stage's record) tasks of the chosen levels, the probed ones' results
-    reused; in round 1 also ``expert_demos`` solver demonstrations."""
+    reused; in round 1 also the solver demonstrations (``expert_demos``, ``expert_levels``)."""
     def run(d: Path) -> dict[str, Any]:
         search = _searcher(cfg, r, model, prm)
         info: dict[str, Any] = {"policy": policy_spec(model)}
@@ -123,8 +135,8 @@ def search_stage(cfg: "LoopConfig", sets: TaskSets, r: int, model: str, prm: str
         info["search"] = om.summarize(results)
         # what the search ran on: bf16 on CPUs with native bf16, float32 elsewhere (the backend's choice)
         info["host"], info["dtype"] = host_info(), policy_dtype(search.built.get("policy"))
-        if r == 1 and cfg.expert_demos:
-            demos = om.search_many(sets.pool[:cfg.expert_demos], strategy="react",
+        if r == 1 and sets.demos:
+            demos = om.search_many(sets.demos, strategy="react",
                                    policy="scripted:oracle:p=0", seed=cfg.seed, agent=cfg.agent)
             om.write_results(d / "demos.jsonl", demos)
             info["demos"] = om.summarize(demos)
