@@ -23,6 +23,14 @@ _CORPUS = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _trainers_in_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trainers' ``dtype: auto`` takes bf16 on CPUs with native bf16; the tests' loss and resume
+    checks are written for fp32, so they get the same numbers on every host. A test that wants the
+    host-dependent choice patches ``train.runtime.bf16_native`` itself."""
+    monkeypatch.setattr("train.runtime.bf16_native", lambda: False)
+
+
 @pytest.fixture(scope="session")
 def tiny_hf_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A tiny random LlamaForCausalLM and a locally trained byte-level BPE tokenizer with a

@@ -86,6 +86,19 @@ def test_sft_loss_falls(model_dir, data, tmp_path):
     assert _full_loss(runner) < 0.6 * before
     marker = json.loads((tmp_path / "o" / "omrl-train.json").read_text())
     assert marker["kind"] == "sft" and marker["policy_version"] == 12
+    assert marker["compute_dtype"] == "float32"
+
+
+@pytest.mark.parametrize("asked,native,want", [("auto", True, "bfloat16"), ("auto", False, None),
+                                               ("float32", True, None), ("bfloat16", False, "bfloat16")])
+def test_auto_dtype_takes_bf16_only_where_the_cpu_has_it(monkeypatch, asked, native, want):
+    import torch
+
+    from train import runtime
+
+    monkeypatch.setattr(runtime, "bf16_native", lambda: native)
+    got = runtime._autocast_dtype(asked, torch.device("cpu"))
+    assert got == (getattr(torch, want) if want else None)
 
 
 def test_dpo_loss_falls_and_reference_modes_agree(model_dir, data, tmp_path):

@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
+from omrl_search.host import bf16_native
 from omrl_search.result import write_text_atomic
 
 from .checkpoint_files import STATE_FILE, publish_folder
@@ -485,6 +486,7 @@ class Runner:
     def write_marker(self, **extra: Any) -> None:
         info = {"kind": self.kind, "step": self.step, "policy_version": self.policy_version,
                 "base_model": self.cfg.model, "lora": self.cfg.lora is not None,
+                "compute_dtype": "bfloat16" if self.autocast_dtype is not None else "float32",
                 "config": self.cfg.model_dump(mode="json"), **extra}
         write_text_atomic(self.out / MARKER, json.dumps(info, indent=2) + "\n")
 
@@ -506,10 +508,16 @@ def pick_device(spec: str, rank: int = 0) -> Any:
 
 
 def _autocast_dtype(dtype: str, device: Any) -> Any:
+    """bf16 autocast when asked, or under ``auto`` where bf16 is native: a CUDA GPU that has it, a
+    CPU with AMX / AVX512-BF16. On an AVX2-only CPU bf16 is emulated (an SFT step ran 17x slower
+    than fp32 there), so ``auto`` keeps fp32."""
     import torch
 
-    if dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()):
+    if dtype == "bfloat16":
         return torch.bfloat16
+    if dtype == "auto":
+        native = torch.cuda.is_bf16_supported() if device.type == "cuda" else device.type == "cpu" and bf16_native()
+        return torch.bfloat16 if native else None
     return None
 
 
