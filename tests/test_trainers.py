@@ -97,7 +97,7 @@ def test_auto_dtype_takes_bf16_only_where_the_cpu_has_it(monkeypatch, asked, nat
     from train import runtime
 
     monkeypatch.setattr(runtime, "bf16_native", lambda: native)
-    got = runtime._autocast_dtype(asked, torch.device("cpu"))
+    got = runtime.autocast_dtype_for(asked, torch.device("cpu"))
     assert got == (getattr(torch, want) if want else None)
 
 

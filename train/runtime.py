@@ -159,7 +159,7 @@ class Runner:
         self.saving_final = False  # True while save_final writes (a save_fn may merge then)
         self.rank, self.world = dist_info()
         self.device = pick_device(cfg.device, self.rank)
-        self.autocast_dtype = _autocast_dtype(cfg.dtype, self.device)
+        self.autocast_dtype = autocast_dtype_for(cfg.dtype, self.device)
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         self.max_steps = cfg.max_steps or total_steps or self._steps_from_epochs()
@@ -507,10 +507,10 @@ def pick_device(spec: str, rank: int = 0) -> Any:
     return torch.device(spec)
 
 
-def _autocast_dtype(dtype: str, device: Any) -> Any:
+def autocast_dtype_for(dtype: str, device: Any) -> Any:
     """bf16 autocast when asked, or under ``auto`` where bf16 is native: a CUDA GPU that has it, a
-    CPU with AMX / AVX512-BF16. On an AVX2-only CPU bf16 is emulated (an SFT step ran 17x slower
-    than fp32 there), so ``auto`` keeps fp32."""
+    CPU with AMX / AVX512-BF16. On an AVX2-only CPU bf16 is emulated (an SFT step ran about 20x
+    slower than fp32 there), so ``auto`` keeps fp32; None means fp32."""
     import torch
 
     if dtype == "bfloat16":
