@@ -289,7 +289,7 @@ def test_agent_act_reaches_the_loops_searches_demonstrations_and_evals(tmp_path)
 
     import omrl_search as om
     from train.loop import LoopConfig
-    from train.loop_stages import TaskSets, _bench, search_stage
+    from train.loop_stages import TaskSets, bench_tasks, search_stage
 
     cfg = LoopConfig(env="countdown", policy="scripted:oracle:p=0.3", agent="act", train_limit=2,
                      expert_demos=2, dev_limit=5, prm=False, progress=False, out=str(tmp_path),
@@ -303,7 +303,7 @@ def test_agent_act_reaches_the_loops_searches_demonstrations_and_evals(tmp_path)
         assert len(results) == 2 and all(r.tree.agent == "act" for r in results)
         assert all(s.completion.startswith("Act: ") for r in results for t in r.trajectories for s in t.steps)
     e = tmp_path / "dev"
-    rows = _bench(cfg, sets.dev[:2], "react", "tokens=2000", cfg.policy, None, e)
+    rows = bench_tasks(cfg, sets.dev[:2], "react", "tokens=2000", cfg.policy, None, e)
     assert rows["react"]
     assert json.loads((e / "summary.json").read_text())["config"]["agent"] == "act"
 

@@ -330,8 +330,10 @@ def last_metrics(out: Path) -> dict[str, Any]:
 
 
 # --- evaluations -----------------------------------------------------------------------------------
-def _bench(cfg: "LoopConfig", tasks: list[Task], strategies: str, budgets: str, model: str,
-           prm: str | None, d: Path) -> dict[str, Any]:
+def bench_tasks(cfg: "LoopConfig", tasks: list[Task], strategies: str, budgets: str, model: str,
+                prm: str | None, d: Path) -> dict[str, Any]:
+    """``omrl bench`` of ``tasks`` in the loop's settings (seed, agent, step tokens, trees kept)
+    into ``d``: ``strategy -> budget -> {tasks, successes, success_rate, ci_low, ci_high}``."""
     summary = bench(tasks, strategies, budgets, policy=policy_spec(model),
                     reward_model=f"prm:{prm}" if prm else None, seed=cfg.seed,
                     max_tokens=cfg.max_tokens, temperature=cfg.temperature, out=d,
@@ -353,7 +355,7 @@ def bench_outcomes(folder: Path) -> dict[str, dict[str, dict[str, bool]]]:
 def eval_stage(cfg: "LoopConfig", sets: TaskSets, model: str, prm: str | None):
     """The test split (reported, never decided on): every eval strategy at every eval budget."""
     def run(d: Path) -> dict[str, Any]:
-        rows = _bench(cfg, sets.test(), cfg.eval_strategies, cfg.eval_budgets, model, prm, d)
+        rows = bench_tasks(cfg, sets.test(), cfg.eval_strategies, cfg.eval_budgets, model, prm, d)
         ran_on = json.loads((d / "summary.json").read_text())["config"]  # bench's host and dtype
         info = {"policy": policy_spec(model), "prm": prm, "rows": rows,
                 "success": {n: {b: s["success_rate"] for b, s in per.items()} for n, per in rows.items()},
@@ -370,7 +372,7 @@ def best_search_stage(cfg: "LoopConfig", sets: TaskSets, model: str, prm: str | 
     """After the last round: ``best_search`` at ``best_budget`` on the test split with the best
     checkpoint; ``record`` is results.json's ``search_on_best``."""
     def run(d: Path) -> dict[str, Any]:
-        _bench(cfg, sets.test(), cfg.best_search, cfg.best_budget, model, prm, d)
+        bench_tasks(cfg, sets.test(), cfg.best_search, cfg.best_budget, model, prm, d)
         summary = json.loads((d / "summary.json").read_text())
         ((_, per),) = summary["strategies"].items()
         ((budget, s),) = per.items()
@@ -393,7 +395,7 @@ def dev_stage(cfg: "LoopConfig", sets: TaskSets, model: str, best: dict[str, Any
     are compared under one rule), then the keep-best decision against ``best`` (the best
     checkpoint's dev record; None for the base policy, which is kept as the first best)."""
     def run(d: Path) -> dict[str, Any]:
-        rows = _bench(cfg, sets.dev, cfg.dev_strategies, cfg.dev_budget, model, None, d)
+        rows = bench_tasks(cfg, sets.dev, cfg.dev_strategies, cfg.dev_budget, model, None, d)
         mine = dev_outcomes(d)
         if best is None:
             decision = {"keep": True, "new_best": True, "reason": "the starting policy: the first best",
