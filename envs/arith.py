@@ -62,7 +62,7 @@ def _frac(x: Number) -> Fraction:
     return x if type(x) is Fraction else Fraction(x)
 
 
-def _number(token: str) -> Fraction:
+def parse_number(token: str) -> Fraction:
     """A number token of an action (``-5``, ``8/3``), exactly as ``Fraction(token)`` reads it but
     without its regex; ``ZeroDivisionError`` for ``x/0``."""
     num, _, den = token.partition("/")
@@ -195,7 +195,7 @@ def replay(original, path) -> list[tuple[Number, Any]]:
     left: list[tuple[Number, Any]] = [(x, x) for x in original]
     for move in path:
         a, op, b = move.split(" ")
-        a, b = _norm(_number(a)), _norm(_number(b))
+        a, b = _norm(parse_number(a)), _norm(parse_number(b))
         ia = next(i for i, (v, _) in enumerate(left) if v == a)
         ta = left.pop(ia)[1]
         ib = next(i for i, (v, _) in enumerate(left) if v == b)
@@ -262,7 +262,7 @@ def read_action(action: str, numbers: tuple[Fraction, ...]) -> tuple:
     if not m:
         return "invalid", "empty action" if not text else f"cannot parse {text[:60]!r}"
     try:
-        a, op, b = _number(m.group(1)), _OPS[m.group(2).lower()], _number(m.group(3))
+        a, op, b = parse_number(m.group(1)), _OPS[m.group(2).lower()], parse_number(m.group(3))
     except ZeroDivisionError:
         return "invalid", "a number has a zero denominator"
     rest = list(numbers)

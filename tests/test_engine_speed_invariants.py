@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 import omrl_search as om
-from envs.arith import _number, fmt
+from envs.arith import fmt, parse_number
 from helpers import Recording, fake_ctx
 from omrl_search.env import make_env, stable_hash
 from omrl_search.reward import aggregate
@@ -24,7 +24,7 @@ from strategies.values import LogprobValue, step_prob
 @pytest.mark.parametrize("token", ["0", "7", "-5", "13", "8/3", "-8/3", "4/2", "-0/5", "10/4",
                                    "0/7", "123456789/3", "\u0663"])
 def test_number_tokens_read_like_fraction(token):
-    assert _number(token) == Fraction(token) and type(_number(token)) is Fraction
+    assert parse_number(token) == Fraction(token) and type(parse_number(token)) is Fraction
 
 
 @pytest.mark.parametrize("token", ["1/0", "-3/0"])
@@ -32,7 +32,7 @@ def test_zero_denominator_raises_like_fraction(token):
     with pytest.raises(ZeroDivisionError):
         Fraction(token)
     with pytest.raises(ZeroDivisionError):
-        _number(token)
+        parse_number(token)
 
 
 @pytest.mark.parametrize("x", [0, 24, -5, Fraction(8, 3), Fraction(-1, 3), Fraction(6, 2), True, 0.5])
