@@ -16,6 +16,12 @@ weak figure is the PRM's or the labels'. ``--labels q``: MCTS Q-values with prov
 ``--prm implicit:POLICY[,ref=REF][,beta=B]`` scores the implicit PRM of a policy trained on
 outcomes (beta times the summed log-ratio against its reference, squashed) the same way.
 
+``--tasks N`` scores the trees of the first N task ids only (a 30-block PRM takes over an hour on
+all of 200 tasks' trees on 2 cores); ``--predictions FILE`` writes each scored step, and
+``--compare A B`` sets two such files side by side: each PRM's AUC on the steps both scored and
+the difference with a 95% bootstrap interval and p-value, whole tasks resampled (steps of one
+task share prefixes and an outcome, so they are not independent draws).
+
 ``--mc-vs-exact`` (no PRM) scores the Monte-Carlo labels themselves against the exact ones on the
 same steps: how much of a PRM's shortfall the MC labels alone would explain.
 
@@ -23,6 +29,8 @@ same steps: how much of a PRM's shortfall the MC labels alone would explain.
         runs/bench-loop-countdown/*/results.jsonl
     python benchmarks/prm_heldout.py --labels exact --prm runs/loop-game24/round_3/prm/model \
         runs/bench-loop-game24/*/results.jsonl
+    python benchmarks/prm_heldout.py --labels exact --tasks 60 --prm prm_a --predictions a.jsonl TREES
+    python benchmarks/prm_heldout.py --compare a.jsonl b.jsonl
 
 Prints the figures, then as its last line one JSON object.
 """
@@ -64,7 +72,7 @@ def mc_vs_exact(results_files):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("results", nargs="+", help="results.jsonl files of searches on held-out tasks")
+    ap.add_argument("results", nargs="*", help="results.jsonl files of searches on held-out tasks")
     ap.add_argument("--prm", help="a trained PRM folder, or implicit:POLICY[,ref=REF][,beta=B] "
                                   "(the implicit PRM; not with --mc-vs-exact)")
     ap.add_argument("--mc-vs-exact", action="store_true",
@@ -72,18 +80,46 @@ def main() -> None:
     ap.add_argument("--labels", choices=("mc", "q", "exact"), default="mc",
                     help="what a step is scored against (default mc: the tree's own leaves; exact: "
                          "the env's solver, Game24/Countdown)")
+    ap.add_argument("--tasks", type=int, metavar="N",
+                    help="score the trees of the first N task ids (sorted) only")
+    ap.add_argument("--predictions", metavar="FILE", help="write each scored step (JSONL) to FILE")
+    ap.add_argument("--compare", nargs=2, metavar=("A", "B"),
+                    help="no scoring: two --predictions files, B's AUC against A's on shared steps")
     args = ap.parse_args()
 
-    from train.loop_prm import heldout
+    from train.loop_prm import compare_predictions, heldout
 
+    if args.compare:
+        if args.results or args.prm or args.mc_vs_exact:
+            ap.error("--compare takes two predictions files and nothing else")
+        try:
+            out = compare_predictions(*args.compare)
+        except (OSError, ValueError) as exc:
+            print(f"prm_heldout: error: {exc}", file=sys.stderr)
+            sys.exit(2)
+        for part in ("all", "before_end"):
+            if part in out:
+                m = out[part]
+                print(f"{part:10} steps {m['steps']:>5} tasks {m['tasks']:>4}  AUC A {m['auc_a']}  "
+                      f"B {m['auc_b']}  B-A {m['diff']:+.4f} [{m['ci_low']}, {m['ci_high']}] "
+                      f"p={m['p_value']:.2g}")
+        print(json.dumps(out))
+        return
+    if not args.results:
+        ap.error("give the results.jsonl files of held-out searches")
+    if args.tasks is not None and args.tasks < 1:
+        ap.error("--tasks takes a positive number")
     if args.mc_vs_exact == bool(args.prm):
         ap.error("give --prm FOLDER or --mc-vs-exact (one of them)")
+    if args.mc_vs_exact and (args.tasks or args.predictions):
+        ap.error("--tasks and --predictions go with --prm")
     missing = [f for f in args.results if not Path(f).is_file()]
     if missing:  # e.g. an unexpanded glob: one line, exit 2
         ap.error(f"no such results file: {missing[0]}")
     try:
         out = (mc_vs_exact(args.results) if args.mc_vs_exact
-               else heldout(args.prm, args.results, labels=args.labels))
+               else heldout(args.prm, args.results, labels=args.labels, tasks=args.tasks,
+                            predictions=args.predictions))
     except ValueError as exc:  # e.g. an env without exact values: one line, exit 2
         print(f"prm_heldout: error: {exc}", file=sys.stderr)
         sys.exit(2)

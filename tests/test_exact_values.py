@@ -236,3 +236,76 @@ def test_heldout_script_names_a_missing_results_file_in_one_line(tmp_path):
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].endswith(f"no such results file: {tmp_path}/trees/*.jsonl")
     assert "Traceback" not in done.stderr
+
+
+def test_paired_auc_resamples_whole_tasks():
+    """The paired bootstrap: each scorer's point AUC is the plain (tie-aware) AUC; a scorer
+    against itself differs by 0 with p = 1; a sharp scorer beats a coin with an interval
+    clear of 0; mismatched inputs are an error."""
+    from reward_models.metrics import paired_auc, roc_auc
+
+    rng = random.Random(3)
+    y = [rng.random() < 0.3 for _ in range(400)]
+    coin = [rng.random() for _ in y]
+    sharp = [round(0.6 * t + 0.5 * rng.random(), 1) for t in y]  # rounded: many ties
+    groups = [f"t{i // 4}" for i in range(len(y))]
+    out = paired_auc(coin, sharp, y, groups, resamples=500)
+    assert out["auc_a"] == round(roc_auc(coin, y), 4) and out["auc_b"] == round(roc_auc(sharp, y), 4)
+    assert out["tasks"] == 100 and out["steps"] == 400
+    assert out["ci_low"] > 0.2 and out["p_value"] <= 1 / 500 * 2
+    same = paired_auc(sharp, sharp, y, groups, resamples=200)
+    assert same["diff"] == 0 and same["ci_low"] == same["ci_high"] == 0 and same["p_value"] == 1.0
+    with pytest.raises(ValueError, match="one score of each scorer"):
+        paired_auc(coin, sharp[:-1], y, groups)
+
+
+class _CoinPRM:
+    """Scores every step by a hash of its observation: no foresight."""
+
+    kind = "prm"
+
+    def score_episodes(self, episodes):
+        import zlib
+
+        return [[zlib.crc32(obs.encode()) % 1000 / 1000 for obs in ep.observations] for ep in episodes]
+
+
+def test_heldout_on_some_tasks_writes_predictions_two_prms_compare(tmp_path, monkeypatch):
+    """``prm_heldout.py --tasks N --predictions F``: only the first N tasks' trees are scored and
+    every scored step is one line; ``--compare A B`` pairs two such files on their shared steps
+    (the oracle beats a coin before the end); a malformed line names its file and line."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from reward_models.prm import ProcessRewardModel
+    from train.loop_prm import compare_predictions, heldout
+
+    results = om.search_many(om.load_tasks("game24", "test", 6), strategy="best_of_n:n=3",
+                             policy="scripted:oracle:p=0.5", seed=0)
+    f = tmp_path / "results.jsonl"
+    om.write_results(f, results)
+    for name, prm in (("oracle", _OraclePRM()), ("coin", _CoinPRM())):
+        monkeypatch.setattr(ProcessRewardModel, "from_pretrained", classmethod(lambda cls, *a, p=prm, **k: p))
+        out = heldout("unused", [f], labels="exact", tasks=4, predictions=tmp_path / f"{name}.jsonl")
+        assert out["results"] == 4
+        lines = [json.loads(x) for x in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        assert len(lines) == out["all"]["steps"] and len({(d["task_id"], d["path"]) for d in lines}) == len(lines)
+        assert len({d["task_id"] for d in lines}) == 4
+        assert sum(not d["end"] for d in lines) == out["before_end"]["steps"]
+    cmp = compare_predictions(tmp_path / "coin.jsonl", tmp_path / "oracle.jsonl", resamples=300)
+    assert cmp["only_a"] == cmp["only_b"] == 0 and cmp["before_end"]["auc_b"] == 1.0
+    assert cmp["before_end"]["diff"] > 0 and cmp["before_end"]["tasks"] == 4
+
+    flipped = tmp_path / "flipped.jsonl"
+    flipped.write_text("".join(json.dumps({**d, "label": 1 - d["label"]}) + "\n" for d in lines))
+    with pytest.raises(ValueError, match="same labels"):
+        compare_predictions(tmp_path / "coin.jsonl", flipped)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text((tmp_path / "coin.jsonl").read_text() + "{not json\n")
+    root = Path(__file__).parent.parent
+    done = subprocess.run([sys.executable, str(root / "benchmarks/prm_heldout.py"), "--compare",
+                           str(tmp_path / "oracle.jsonl"), str(bad)], capture_output=True, text=True, cwd=root)
+    n = len(lines) + 1
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith(f"prm_heldout: error: {bad}:{n}:")
