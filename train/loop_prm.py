@@ -12,6 +12,8 @@ The validation rows come from the same trees and demonstrations the PRM trained 
 demonstrations are all successes and read unlike the policy's own steps, which flatters a PRM),
 so :func:`heldout` also scores the PRM on trees grown on *test-split* tasks (the round's eval),
 labelled from their own finished leaves: the figure that says whether it can guide a search.
+Its per-step predictions can be written to a file (:func:`write_predictions`), and two PRMs'
+files compared on the same steps with a task-resampled interval (:func:`compare_predictions`).
 """
 from __future__ import annotations
 
