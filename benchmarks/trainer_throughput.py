@@ -8,7 +8,7 @@ folder, converted once from the GGUF) unless ``--model`` names another HF folder
 Both sides train on the *same token ids and loss masks* in the same order (TRL's datasets are
 given our pre-tokenized ids: SFT ``input_ids`` + ``completion_mask``; DPO ``prompt_ids`` /
 ``chosen_ids`` / ``rejected_ids`` with the same precomputed reference logps; TRL has no offline
-GRPO, so its ``GRPOTrainer._compute_loss`` is driven on our groups' prompt/completion split,
+GRPO, so its ``GRPOTrainer.compute_loss`` is driven on our groups' prompt/completion split,
 advantages and behaviour logprobs, with backward, clipping and AdamW as its trainer would).
 Same lr, batch, AdamW, no warmup, grad clip 1.0, the same dtype (fp32, or bf16 autocast over
 fp32 weights) and the same gradient-checkpointing setting (``--gc``; TRL's default is on).
@@ -257,7 +257,7 @@ def trl_grpo(model: Any, tok: Any, rows: list, a: argparse.Namespace) -> Timings
                   "old_per_token_logps": old if all(r.has_logprobs for r in batch) else None}
         model.train()
         with cast:
-            loss = tr._compute_loss(model, inputs)
+            loss = tr.compute_loss(model, inputs)  # the Trainer hook its training_step calls
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

@@ -101,7 +101,6 @@ PUBLIC_UNDERSCORE = {"_replace", "_asdict", "_fields", "_make", "_field_defaults
 #: equivalent that the checker cannot tell from ours (a new one fails)
 KNOWN: dict[tuple[str, str], str] = {
     ("reward_models/prefix_scoring.py", "_version"): "torch's in-place version counter of a tensor",
-    ("benchmarks/trainer_throughput.py", "_compute_loss"): "TRL's GRPOTrainer loss, timed alone",
 }
 #: the folders whose modules the check reads (tests may open up what they test)
 CHECKED = ("omrl_search", "strategies", "reward_models", "train", "benchmarks")
