@@ -45,24 +45,29 @@ def reliability(preds: Sequence[float], labels: Sequence[float], bins: int = BIN
     return {"steps": n, "ece": round(ece, 4) if n else None, "bins": rows}
 
 
+def load_scorer(model_dir: str | Path) -> Any:
+    """The PRM saved in ``model_dir`` (on CPU, float32), or the reward model an ``implicit:...``
+    spec names (PRIME's implicit PRM, :mod:`reward_models.implicit`)."""
+    if str(model_dir).startswith("implicit:"):
+        from omrl_search.reward import make_reward_model
+
+        return make_reward_model(str(model_dir))
+    from reward_models.prm import ProcessRewardModel
+
+    return ProcessRewardModel.from_pretrained(str(model_dir), device="cpu", dtype="float32")
+
+
 def calibration(model_dir: str | Path, label_dirs: Sequence[str], val_fraction: float) -> dict[str, Any] | None:
     """Reliability of the PRM in ``model_dir`` on the validation rows of ``label_dirs`` (split as
     the trainer split them); None when there is no validation row."""
     from reward_models.label_files import load_label_dir
-    from reward_models.prm import ProcessRewardModel
-
     from .prm import split_rows
 
     rows = [r for d in label_dirs for r in load_label_dir(d)]
     _, val = split_rows(rows, val_fraction)
     if not val:
         return None
-    if str(model_dir).startswith("implicit:"):  # a reward model spec: PRIME's implicit PRM
-        from omrl_search.reward import make_reward_model
-
-        prm = make_reward_model(str(model_dir))
-    else:
-        prm = ProcessRewardModel.from_pretrained(str(model_dir), device="cpu", dtype="float32")
+    prm = load_scorer(model_dir)
     preds, gold, ends = step_predictions(prm, val)
     ip, iy = before_end(preds, gold, ends)
     return {"all": reliability(preds, gold), "before_end": reliability(ip, iy) if ip else None}
@@ -82,7 +87,6 @@ def heldout(model_dir: str | Path, results_files: Sequence[str | Path], labels: 
     from omrl_search.result import read_results
     from reward_models.labels import label_results
     from reward_models.metrics import step_metrics
-    from reward_models.prm import ProcessRewardModel
 
     results = [r for f in results_files for r in read_results(f)]
     if tasks is not None:
@@ -91,12 +95,7 @@ def heldout(model_dir: str | Path, results_files: Sequence[str | Path], labels: 
     rows = label_results(results, rollouts=0, soft=labels)
     if not rows:
         return None
-    if str(model_dir).startswith("implicit:"):  # a reward model spec: PRIME's implicit PRM
-        from omrl_search.reward import make_reward_model
-
-        prm = make_reward_model(str(model_dir))
-    else:
-        prm = ProcessRewardModel.from_pretrained(str(model_dir), device="cpu", dtype="float32")
+    prm = load_scorer(model_dir)
     preds, gold, ends = step_predictions(prm, rows)
     if not preds:
         return None
