@@ -21,7 +21,8 @@ for LM agents by LATS (Zhou et al., ICML 2024, "Language Agent Tree Search"), rS
         remove the virtual losses and back the values up to the root
         (stop_on_success, LATS) stop once a valued node or its rollout ends solved
         (reflect) after a failed terminal, write a LATS-style reflection for later prompts
-    answer: follow the most visited (final=visits) or best-valued (final=value) children
+    answer: (stop_on_success or solver) the first solved end reached, else follow the most
+        visited (final=visits) or best-valued (final=value) children
 
 Knobs: ``simulations``, ``leaves``, ``k``, ``c_puct``, ``priors`` (logprob | uniform | policy),
 ``max_actions`` (priors=policy: the most valid actions a leaf may list to be scored whole),
@@ -369,6 +370,12 @@ class MCTS(Strategy):
     # --- the answer ----------------------------------------------------------------------------
     def select(self, ctx: SearchContext):
         s = ctx.state if isinstance(ctx.state, MCTSState) else MCTSState()  # none: not started
+        if s.solved is None and (self.stop_on_success or self.solver):
+            # a search that consults the success check answers with the first win it reached,
+            # also one it went on past (stop_on_success=false) or found in the round the
+            # budget ended (a rollout that ran out mid-round never reached the stop test)
+            s.solved = next((n for n in ctx.tree.nodes if n.terminal and n.status != FAILED
+                             and ctx.verify(n)), None)
         if s.solved is not None:
             return s.solved
         key = ((lambda c: (c.visits, c.value)) if self.final == "visits"

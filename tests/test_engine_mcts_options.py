@@ -91,3 +91,43 @@ def test_solver_closes_proven_losses_so_simulations_reach_unseen_actions():
     assert all(r.success and r.verifier_in_loop for r in full)
     again = run("mcts:priors=policy,simulations=400,solver=true,stop_on_success=true")
     assert [r.to_dict()["tree"] for r in full] == [r.to_dict()["tree"] for r in again]
+
+
+def _mcts_runs(split, budget, stops=("false", "true")):
+    tasks = om.load_tasks("countdown", split, limit=16)
+    return [om.search_many(tasks, policy="scripted:oracle:p=0.9", seed=0, budget=budget,
+                           strategy="mcts:priors=policy,simulations=400,solver=true,"
+                                    f"value=rollout,stop_on_success={stop}")
+            for stop in stops]
+
+
+def _wins_found(results):
+    return [any(n.terminal and n.success for n in r.tree.nodes) for r in results]
+
+
+def test_a_win_found_in_the_round_the_budget_ends_is_the_answer():
+    """On tasks 1 and 11 the search reaches its only win in a rollout of the round its budget
+    runs out in, so the stop test never sees it; the answer is still that win (both with and
+    without stop_on_success: the trees are the same). Before, it followed the most visited
+    children to a failure and reported none."""
+    for results in _mcts_runs("test:level=3", "lm_calls=45"):
+        found = _wins_found(results)
+        assert [i for i, f in enumerate(found) if f] == [1, 11]
+        for r, f in zip(results, found):
+            assert r.success == f and r.verifier_in_loop
+            if f:
+                best = r.tree.nodes[r.best]
+                assert best.terminal and best.success
+
+
+def test_solver_going_on_keeps_the_win_it_found_as_the_answer():
+    """solver=true, stop_on_success=false (a search that goes on to value its tree, e.g. for Q
+    labels): it goes on past its first win, and that win stays its answer."""
+    on, stop = _mcts_runs("test:level=2", "lm_calls=60")
+    went_on = 0
+    for r, s, f in zip(on, stop, _wins_found(on)):
+        assert r.success == f
+        if s.success:
+            assert r.success and r.tree.nodes[r.best].success
+            went_on += r.tree.root.visits > s.tree.root.visits
+    assert went_on >= 2
