@@ -16,6 +16,8 @@ for LM agents by LATS (Zhou et al., ICML 2024, "Language Agent Tree Search"), rS
              actions scored in one batched call instead of sampling k)
         evaluate: every new child (PRM, heuristic, LM, logprob), or the most probable new
             child by a rollout to a terminal, or (1 - lam) * PRM + lam * rollout
+            (evaluate=best: only the most probable new child for any value, AlphaZero's one
+             evaluation per simulation; the others keep their priors until chosen)
         (a finished leaf chosen again is not valued again: its first value is backed up at
          once, without a virtual loss or a place in the round's LM call)
         remove the virtual losses and back the values up to the root
@@ -28,7 +30,8 @@ Knobs: ``simulations``, ``leaves``, ``k``, ``c_puct``, ``priors`` (logprob | uni
 ``max_actions`` (priors=policy: the most valid actions a leaf may list to be scored whole),
 ``value``
 (auto | rm | rollout | mix | heuristic | lm | logprob; auto = rm with a reward model, else the
-env heuristic, else rollout), ``lam``, ``widen`` (0 = off), ``reflect``, ``final``,
+env heuristic, else rollout), ``evaluate`` (auto | all | best: which new children are valued;
+auto = best for the costly rollout and mix, all otherwise), ``lam``, ``widen`` (0 = off), ``reflect``, ``final``,
 ``temperature``, ``rule`` (puct | uct), ``stop_on_success``, ``solver`` (MCTS-Solver: a failed
 finished leaf leaves the selection once backed up). Rollouts, reflections on failures,
 ``solver`` and ``stop_on_success`` consult the env's success check: such results are flagged
@@ -90,6 +93,7 @@ class MCTS(Strategy):
     priors: str = "logprob"
     max_actions: int = 32
     value: Any = "auto"
+    evaluate: str = "auto"
     lam: float = 0.5
     widen: float = 0.0
     reflect: bool = False
@@ -104,6 +108,8 @@ class MCTS(Strategy):
             raise ValueError("simulations, leaves and k must be >= 1")
         if self.priors not in ("logprob", "uniform", "policy") or self.final not in ("visits", "value"):
             raise ValueError("priors must be logprob|uniform|policy and final visits|value")
+        if self.evaluate not in ("auto", "all", "best"):
+            raise ValueError(f"evaluate must be auto, all or best, got {self.evaluate!r}")
         if self.rule not in ("puct", "uct"):
             raise ValueError(f"rule must be puct or uct, got {self.rule!r}")
         if self.max_actions < 1:
@@ -124,7 +130,8 @@ class MCTS(Strategy):
 
     async def run(self, ctx: SearchContext) -> None:
         value = self._value(ctx)
-        one_child = isinstance(value, (RolloutValue, Mix))  # costly values: one child per leaf
+        one_child = self.evaluate == "best" or (  # costly values: one child per leaf
+            self.evaluate == "auto" and isinstance(value, (RolloutValue, Mix)))
         if self.priors == "policy" and not ctx.can_score:
             raise ValueError(f"mcts:priors=policy needs a policy that scores completions "
                              f"(Policy.score); {ctx.policy_name!r} does not")

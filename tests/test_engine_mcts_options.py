@@ -131,3 +131,26 @@ def test_solver_going_on_keeps_the_win_it_found_as_the_answer():
             assert r.success and r.tree.nodes[r.best].success
             went_on += r.tree.root.visits > s.tree.root.visits
     assert went_on >= 2
+
+
+def test_evaluate_best_values_one_new_child_per_grown_leaf():
+    """evaluate=best (AlphaZero's one evaluation per simulation): a PRM values only the most
+    probable new child of each grown leaf instead of all of them, so a search with many actions
+    per state (priors=policy on Countdown) calls it far less for the same simulations."""
+    tasks = om.load_tasks("countdown", "test:level=2", limit=4)
+
+    def run(evaluate):
+        return om.search_many(tasks, policy="scripted:oracle:p=0.5", seed=0,
+                              reward_model="rules:format=0.2,outcome=1",
+                              strategy=f"mcts:priors=policy,simulations=12,leaves=1,value=rm,"
+                                       f"evaluate={evaluate}")
+
+    every, best = run("all"), run("best")
+    for a, b in zip(every, best):
+        # one value per grown leaf, or per finished leaf reached as a leaf itself
+        grown = sum(1 for n in b.tree.nodes if n.children)
+        ends = sum(1 for n in b.tree.nodes if n.terminal and n.visits > 0)
+        assert 0 < b.spent["rm_calls"] <= grown + ends
+        assert a.spent["rm_calls"] >= 3 * b.spent["rm_calls"]
+    with pytest.raises(ValueError, match="evaluate must be auto, all or best"):
+        MCTS(evaluate="some")
