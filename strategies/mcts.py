@@ -31,9 +31,9 @@ Knobs: ``simulations``, ``leaves``, ``k``, ``c_puct``, ``priors`` (logprob | uni
 ``value``
 (auto | rm | rollout | mix | heuristic | lm | logprob; auto = rm with a reward model, else the
 env heuristic, else rollout), ``evaluate`` (auto | all | best: which new children are valued;
-auto = best for the costly rollout and mix, all otherwise), ``lam``, ``widen`` (0 = off), ``reflect``, ``final``,
-``temperature``, ``rule`` (puct | uct), ``stop_on_success``, ``solver`` (MCTS-Solver: a failed
-finished leaf leaves the selection once backed up). Rollouts, reflections on failures,
+auto = best for the costly rollout and mix, all otherwise), ``lam``, ``widen`` (0 = off),
+``reflect``, ``final``, ``temperature``, ``rule`` (puct | uct), ``stop_on_success``, ``solver``
+(MCTS-Solver: a failed finished leaf leaves the selection once backed up). Rollouts, reflections on failures,
 ``solver`` and ``stop_on_success`` consult the env's success check: such results are flagged
 ``verifier_in_loop``. How this reads against LATS and rStar: docs/strategies.md.
 """
@@ -195,10 +195,15 @@ class MCTS(Strategy):
         rollout = ctx.rollout_leaves
         for t in targets:
             end = ctx.tree.nodes[rollout.get(t.id, t.id)]
-            if end.terminal and end.status != FAILED and ctx.verify(end):
+            if MCTS._won(ctx, end):
                 ctx.state.solved = end
                 return True
         return False
+
+    @staticmethod
+    def _won(ctx, node) -> bool:
+        """A finished node the env's success check passes (flags the result)."""
+        return node.terminal and node.status != FAILED and ctx.verify(node)
 
     async def _grow(self, ctx, grow, notes):
         """New children of each leaf: k samples, or (priors=policy) one per valid action of a
@@ -381,8 +386,7 @@ class MCTS(Strategy):
             # a search that consults the success check answers with the first win it reached,
             # also one it went on past (stop_on_success=false) or found in the round the
             # budget ended (a rollout that ran out mid-round never reached the stop test)
-            s.solved = next((n for n in ctx.tree.nodes if n.terminal and n.status != FAILED
-                             and ctx.verify(n)), None)
+            s.solved = next((n for n in ctx.tree.nodes if self._won(ctx, n)), None)
         if s.solved is not None:
             return s.solved
         key = ((lambda c: (c.visits, c.value)) if self.final == "visits"
