@@ -60,6 +60,11 @@ REFLECT_PROMPT = (
 )
 
 
+def _won(ctx, node) -> bool:
+    """A finished node the env's success check passes (consulting it flags the result)."""
+    return node.terminal and node.status != FAILED and ctx.verify(node)
+
+
 @dataclass(slots=True)
 class MCTSState:
     """One MCTS search's own state (``ctx.state``), beside the statistics every node carries
@@ -195,15 +200,10 @@ class MCTS(Strategy):
         rollout = ctx.rollout_leaves
         for t in targets:
             end = ctx.tree.nodes[rollout.get(t.id, t.id)]
-            if MCTS._won(ctx, end):
+            if _won(ctx, end):
                 ctx.state.solved = end
                 return True
         return False
-
-    @staticmethod
-    def _won(ctx, node) -> bool:
-        """A finished node the env's success check passes (flags the result)."""
-        return node.terminal and node.status != FAILED and ctx.verify(node)
 
     async def _grow(self, ctx, grow, notes):
         """New children of each leaf: k samples, or (priors=policy) one per valid action of a
@@ -386,7 +386,7 @@ class MCTS(Strategy):
             # a search that consults the success check answers with the first win it reached,
             # also one it went on past (stop_on_success=false) or found in the round the
             # budget ended (a rollout that ran out mid-round never reached the stop test)
-            s.solved = next((n for n in ctx.tree.nodes if self._won(ctx, n)), None)
+            s.solved = next((n for n in ctx.tree.nodes if _won(ctx, n)), None)
         if s.solved is not None:
             return s.solved
         key = ((lambda c: (c.visits, c.value)) if self.final == "visits"
