@@ -33,9 +33,10 @@ Knobs: ``simulations``, ``leaves``, ``k``, ``c_puct``, ``priors`` (logprob | uni
 env heuristic, else rollout), ``evaluate`` (auto | all | best: which new children are valued;
 auto = best for the costly rollout and mix, all otherwise), ``lam``, ``widen`` (0 = off),
 ``reflect``, ``final``, ``temperature``, ``rule`` (puct | uct), ``stop_on_success``, ``solver``
-(MCTS-Solver: a failed finished leaf leaves the selection once backed up). Rollouts, reflections on failures,
-``solver`` and ``stop_on_success`` consult the env's success check: such results are flagged
-``verifier_in_loop``. How this reads against LATS and rStar: docs/strategies.md.
+(MCTS-Solver: a failed finished leaf leaves the selection once backed up). Rollouts,
+reflections on failures, ``solver`` and ``stop_on_success`` consult the env's success check:
+such results are flagged ``verifier_in_loop``. How this reads against LATS and rStar:
+docs/strategies.md.
 """
 from __future__ import annotations
 
