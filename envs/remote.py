@@ -43,6 +43,7 @@ Every request carries ``Authorization: Bearer TOKEN`` when a token is given (``t
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from omrl_search.env import Env, EnvError, ReplayDivergence, check_snapshot, env_class, stable_hash
@@ -237,12 +238,12 @@ class RemoteEnv(Env):
         self._pending = None
         if self.native:
             out = self.http.call("POST", "/reset", self._body(task=_task_dict(task), snapshot=True))
-            self._obs, self._key, self._ref = out["observation"], out["state_key"], out.get("snapshot_id")
-            self._dedup = out.get("dedup_key") or ""
+            self.adopt(task, (), out, out.get("snapshot_id"))
         else:
             self._obs, self._ref = self._reset_agentgym(task), None
             self._key, self._dedup = self._state_key(task, self._obs), ""
-        self._task, self._actions, self._score = task, (), 0.0
+            self._task, self._actions = task, ()
+        self._score = 0.0
         return self._obs
 
     def _reset_agentgym(self, task: Task) -> str:
@@ -360,9 +361,7 @@ class RemoteEnv(Env):
                 if out["state_key"] != snapshot.state_key:
                     raise EnvError(f"restored snapshot {ref} has state {out['state_key']}, "
                                    f"expected {snapshot.state_key}")
-                self._task, self._actions, self._ref = task, tuple(actions), ref
-                self._obs, self._key = out["observation"], out["state_key"]
-                self._dedup = out.get("dedup_key") or ""
+                self.adopt(task, actions, out, ref)
                 return
         self._pending = snapshot
         if self.native:
@@ -400,10 +399,17 @@ class RemoteEnv(Env):
             raise EnvError(f"{self.dialect} servers cannot fork envs")
         out = self.http.call("POST", "/fork", self._body())
         twin = RemoteEnv(self.http.url, self.name, http=self.http, info=self._info(), _env_id=out["id"])
-        twin._task, twin._actions = self._task, self._actions
-        twin._obs, twin._key = out["observation"], out["state_key"]
-        twin._dedup = out.get("dedup_key") or ""
+        twin.adopt(self._task, self._actions, out)
         return twin
+
+    def adopt(self, task: Task | None, actions: Sequence[str], out: dict[str, Any],
+              ref: str | None = None) -> None:
+        """Take the state an omrl server's reply ``out`` reports (its observation, state key and
+        dedup key), reached from ``task`` by ``actions`` and stored on the server as ``ref``
+        (None: not stored): what reset, restore and a fork's twin each learn from the server."""
+        self._task, self._actions, self._ref = task, tuple(actions), ref
+        self._obs, self._key = out["observation"], out["state_key"]
+        self._dedup = out.get("dedup_key") or ""
 
     def _info(self) -> dict[str, Any]:
         return {"env": self.name, "description": self.description, "action_help": self.action_help,
