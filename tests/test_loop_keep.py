@@ -142,6 +142,44 @@ def test_training_continues_from_the_best_not_from_a_kept_stage_that_is_no_bette
     assert "not better: not trained on" in (root / "report.md").read_text()
 
 
+def test_promote_not_worse_hands_on_the_newest_kept_stage(tmp_path, fake_trainers, monkeypatch):
+    # the same stages as above: rs_sft is no better on dev but not significantly worse, so with
+    # promote: not_worse it becomes the best, round 2 trains from it and the run hands it back
+    monkeypatch.setitem(PRODUCES, "sft", "scripted:oracle:p=0.0")
+    monkeypatch.setitem(PRODUCES, "rs_sft", "scripted:oracle:p=0.02")
+    cfg = _cfg(tmp_path, rounds=2, first=["sft", "rs_sft"], then=["rs_sft"], policy="scripted:oracle:p=0.6",
+               promote="not_worse")
+    run_loop(cfg)
+    root = tmp_path / "run"
+    rs = json.loads((root / "round_1/dev_rs_sft/stage.json").read_text())["decision"]
+    assert rs["keep"] and rs["new_best"] and rs["score"] <= rs["best_score"]
+    assert "the newest kept as the best" in rs["reason"]
+    # compared with the best (sft) and with the one best before it (the base)
+    assert set(rs["earlier"]) == {"round 0, base"} and "round 0, base" in rs["reason"]
+    assert fake_trainers == [("sft", cfg.policy), ("rs_sft", PRODUCES["sft"]), ("rs_sft", PRODUCES["rs_sft"])]
+    best = json.loads((root / "best.json").read_text())
+    assert best["model"] == best["current"] == PRODUCES["rs_sft"] and best["where"] == "round 2, rs_sft"
+    assert "kept as the new best (`promote: not_worse`)" in (root / "report.md").read_text()
+
+
+def test_a_candidate_worse_than_an_earlier_best_is_rejected():
+    # each step loses 2 tasks of 40 against the one before: never significant against the best,
+    # but the fourth is significantly worse than the first, which was the best before
+    first = {"react": {f"t{i}": i < 30 for i in range(40)}}
+    second = {"react": {f"t{i}": i < 28 for i in range(40)}}
+    third = {"react": {f"t{i}": i < 26 for i in range(40)}}
+    fourth = {"react": {f"t{i}": i < 24 for i in range(40)}}
+    assert decide(second, first, promote="not_worse")["new_best"]
+    assert decide(third, second, promote="not_worse", earlier={"round 1": first})["new_best"]
+    d = decide(fourth, third, promote="not_worse", earlier={"round 1": first, "round 2": second})
+    assert d["tests"]["react"]["p_value"] > 0.05  # not worse than the best alone
+    assert not d["keep"] and not d["new_best"]
+    assert d["earlier"]["round 1"]["react"]["a_only"] == 6 and d["earlier"]["round 1"]["react"]["p_value"] < 0.05
+    assert "worse on dev than round 1" in d["reason"] and "round 2" not in d["reason"]
+    with pytest.raises(ValueError, match="promote must be one of"):
+        decide(second, first, promote="newest")
+
+
 def test_a_run_started_before_continue_from_existed_resumes_only_as_it_ran(tmp_path, fake_trainers):
     from train.loop import LoopError
 
@@ -149,11 +187,13 @@ def test_a_run_started_before_continue_from_existed_resumes_only_as_it_ran(tmp_p
     run_loop(cfg)
     saved = tmp_path / "run" / "loop.json"
     settings = json.loads(saved.read_text())
-    del settings["continue_from"]  # as runs started before the setting wrote it
+    del settings["continue_from"], settings["promote"]  # as runs started before the settings wrote them
     saved.write_text(json.dumps(settings))
-    run_loop(cfg)  # those runs continued from the last kept stage: the same settings
+    run_loop(cfg)  # those runs continued from the last kept stage and promoted the better: the same settings
     with pytest.raises(LoopError, match=r"other settings \(continue_from\)"):
         run_loop(cfg.model_copy(update={"continue_from": "best"}))
+    with pytest.raises(LoopError, match=r"other settings \(promote\)"):
+        run_loop(cfg.model_copy(update={"promote": "not_worse"}))
 
 
 def test_the_dev_slice_is_disjoint_by_puzzle_from_everything_searched(tmp_path, fake_trainers):

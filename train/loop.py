@@ -51,7 +51,7 @@ class LoopError(Exception):
 
 # --- stages ------------------------------------------------------------------------------------
 #: settings added after runs were started, as those runs behaved (their loop.json lacks them)
-LEGACY_SETTINGS = {"continue_from": "kept", "expert_levels": {}}
+LEGACY_SETTINGS = {"continue_from": "kept", "expert_levels": {}, "promote": "better"}
 
 
 class Run:
@@ -104,13 +104,15 @@ class Track:
     """The current policy (what training continues from) and the best checkpoint (what the run
     hands back), as keep-best moves them. With ``continue_from="best"`` the current policy is
     always the best (a kept candidate that is not better is not trained on); with ``"kept"``
-    it is the last kept candidate."""
+    it is the last kept candidate. ``earlier`` holds the dev outcomes of the checkpoints that were
+    the best before the present one (keep-best rejects a candidate worse than any of them)."""
 
     def __init__(self, model: str, dev: dict[str, Any] | None, continue_from: str = "best"):
         self.continue_from = continue_from
         self.current = model
         self.best: dict[str, Any] = {"model": model, "where": "round 0, base",
                                      "score": (dev or {}).get("decision", {}).get("score"), "dev": dev}
+        self.earlier: dict[str, dict[str, Any]] = {}
 
     def apply(self, r: int, kind: str, train: dict[str, Any], dev: dict[str, Any] | None) -> None:
         if "skipped" in train:
@@ -123,6 +125,8 @@ class Track:
         if decision["keep"] and (decision["new_best"] or self.continue_from == "kept"):
             self.current = train["model"]
         if decision["new_best"]:
+            if self.best["dev"] is not None:
+                self.earlier[self.best["where"]] = self.best["dev"]["outcomes"]
             self.best = {"model": train["model"], "where": f"round {r}, {kind}",
                          "score": decision["score"], "dev": dev}
 
@@ -158,7 +162,8 @@ def run_loop(cfg: LoopConfig) -> dict[str, Any]:
             train = run.stage(f"round_{r}/train_{kind}", st.train_stage(cfg, r, kind, track.current, sets, plan, prm))
             dev = None
             if "skipped" not in train and cfg.dev_limit:
-                dev = run.stage(f"round_{r}/dev_{kind}", st.dev_stage(cfg, sets, train["model"], track.best["dev"]))
+                dev = run.stage(f"round_{r}/dev_{kind}",
+                                st.dev_stage(cfg, sets, train["model"], track.best["dev"], track.earlier))
             track.apply(r, kind, train, dev)
             info["stages"].append({"train": train, "dev": dev})
         info["policy"] = track.current

@@ -97,6 +97,10 @@ class LoopConfig(BaseModel):
     # that is not better is not trained on) or kept (the last stage not rejected: a run of small,
     # each insignificant, losses can then be built on, as a 100-task dev slice allows)
     continue_from: Literal["best", "kept"] = "best"
+    # when a kept stage becomes the best (what the run hands back and, with continue_from: best,
+    # what training goes on from): better (a strictly higher dev score) or not_worse (every kept
+    # stage: the newest checkpoint the dev slice does not show to be worse than any former best)
+    promote: Literal["better", "not_worse"] = "better"
     # evaluation on the test split (reported; no decision looks at it)
     test_limit: int = Field(200, ge=1)
     eval_strategies: str = "react,best_of_n,mcts"

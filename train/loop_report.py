@@ -61,9 +61,11 @@ def keep_table(cfg: Any, history: list[dict[str, Any]], best: dict[str, Any]) ->
     if not cfg.dev_limit:
         return lines + ["No dev slice (`dev_limit: 0`): every stage was kept unchecked.", ""]
     lines += [f"After each training stage: {cfg.dev_strategies} at {cfg.dev_budget} on the dev slice; "
-              f"the stage is rejected when any of them is worse than the best checkpoint with paired "
-              f"p < {cfg.keep_alpha:g} (exact McNemar), else kept, and it becomes the best when its dev "
-              "score (mean success) is higher; training continues from "
+              f"the stage is rejected when any of them is worse than the best checkpoint, or than one "
+              f"that was the best before it, with paired p < {cfg.keep_alpha:g} (exact McNemar), else "
+              + ("kept, and it becomes the best when its dev score (mean success) is higher"
+                 if cfg.promote == "better" else "kept as the new best (`promote: not_worse`)")
+              + "; training continues from "
               + ("the best." if cfg.continue_from == "best" else "the last kept stage."), "",
               "| round | stage | trained | dev success | decision | why |", "|---|---|---|---|---|---|",
               f"| 0 | base | `{cfg.policy}` | {_dev_cell(history[0].get('dev'))} | best | the starting policy |"]

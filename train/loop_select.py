@@ -8,12 +8,17 @@ same puzzle (Countdown's knob streams, user files). The test split is never look
 decision; it is only reported.
 
 **Keep-best.** After each training stage the candidate policy is evaluated on the dev slice with
-the dev strategies and compared, task by task, with the best checkpoint so far (exact McNemar,
-:func:`omrl_search.stats.mcnemar`). The candidate is rejected when, for any dev strategy, it is
-worse with ``p < alpha``; otherwise it is kept, and it becomes the best when its dev score (mean
-success over the dev strategies) is strictly higher than the best's. The best is what the run
-hands back; training continues from the best (``continue_from: best``, the default) or from the
-last kept candidate (``kept``). See docs/loop.md.
+the dev strategies and compared, task by task, with the best checkpoint so far and with every
+checkpoint that was the best before it (exact McNemar, :func:`omrl_search.stats.mcnemar`). The
+candidate is rejected when, for any dev strategy, it is worse than any of them with
+``p < alpha``; otherwise it is kept. A kept candidate becomes the best when its dev score (mean
+success over the dev strategies) is strictly higher than the best's (``promote: better``, the
+default), or always (``promote: not_worse``: the newest checkpoint the dev slice does not show
+to be worse; a small dev slice cannot show the gains a round makes, and a tie is then not a
+reason to throw one away). Comparing with every former best keeps a chain of small, each
+insignificant, losses from drifting below an earlier checkpoint. The best is what the run hands
+back; training continues from the best (``continue_from: best``, the default) or from the last
+kept candidate (``kept``). See docs/loop.md.
 """
 from __future__ import annotations
 
@@ -57,28 +62,50 @@ def dev_score(outcomes: Outcomes) -> float:
     return sum(rates) / len(rates) if rates else 0.0
 
 
-def decide(candidate: Outcomes, best: Outcomes, alpha: float = 0.05) -> dict[str, Any]:
-    """Whether to keep a candidate checkpoint given the best one's dev outcomes.
+PROMOTE = ("better", "not_worse")
 
-    Returns ``{"keep", "new_best", "reason", "tests": {strategy: mcnemar block}, "score",
-    "best_score"}``; ``tests[s]["diff"]`` is candidate minus best on the shared dev tasks."""
-    from omrl_search.stats import mcnemar  # scipy: loaded when a decision is made
 
-    tests = {name: mcnemar(best[name], per) for name, per in candidate.items() if name in best}
+def decide(candidate: Outcomes, best: Outcomes, alpha: float = 0.05, *, promote: str = "better",
+           earlier: Mapping[str, Outcomes] | None = None) -> dict[str, Any]:
+    """Whether to keep a candidate checkpoint given the best one's dev outcomes, and those of the
+    checkpoints that were the best before it (``earlier``: where -> outcomes); ``promote`` says
+    when a kept candidate becomes the best (module docstring).
+
+    Returns ``{"keep", "new_best", "reason", "tests": {strategy: mcnemar block}, "earlier":
+    {where: {strategy: mcnemar block}}, "score", "best_score"}``; a block's ``diff`` is candidate
+    minus reference on the shared dev tasks."""
+    if promote not in PROMOTE:
+        raise ValueError(f"promote must be one of {', '.join(PROMOTE)}, got {promote!r}")
+    tests = _tests(candidate, best)
     if not tests:
         raise ValueError("the candidate and the best share no dev strategy: nothing to compare")
-    worse = [name for name, t in tests.items() if t["diff"] < 0 and t["p_value"] < alpha]
+    before = {where: _tests(candidate, outs) for where, outs in (earlier or {}).items()}
+    worse = [(f"{n} significantly worse on dev than the best", t) for n, t in tests.items() if _worse(t, alpha)]
+    worse += [(f"{n} significantly worse on dev than {where}", t)
+              for where, per in before.items() for n, t in per.items() if _worse(t, alpha)]
     score, best_score = dev_score(candidate), dev_score(best)
     keep = not worse
-    new_best = keep and score > best_score
+    new_best = keep and (score > best_score or promote == "not_worse")
     if worse:
-        reason = "; ".join(f"{n} significantly worse on dev ({_fmt(tests[n])})" for n in worse)
+        reason = "; ".join(f"{what} ({_fmt(t)})" for what, t in worse)
     else:
+        verdict = (": new best" if score > best_score else ": no better on dev, the newest kept as the best"
+                   if new_best else ": not better than the best")
         reason = ("not significantly worse on dev (" + "; ".join(f"{n} {_fmt(t)}" for n, t in tests.items())
-                  + f"); dev score {score:.3f} vs best {best_score:.3f}"
-                  + (": new best" if new_best else ": not better than the best"))
-    return {"keep": keep, "new_best": new_best, "reason": reason, "tests": tests,
+                  + (f"; nor than the earlier best: {', '.join(before)}" if before else "")
+                  + f"); dev score {score:.3f} vs best {best_score:.3f}" + verdict)
+    return {"keep": keep, "new_best": new_best, "reason": reason, "tests": tests, "earlier": before,
             "score": round(score, 4), "best_score": round(best_score, 4)}
+
+
+def _tests(candidate: Outcomes, reference: Outcomes) -> dict[str, dict[str, Any]]:
+    from omrl_search.stats import mcnemar  # scipy: loaded when a decision is made
+
+    return {name: mcnemar(reference[name], per) for name, per in candidate.items() if name in reference}
+
+
+def _worse(t: Mapping[str, Any], alpha: float) -> bool:
+    return t["diff"] < 0 and t["p_value"] < alpha
 
 
 def _fmt(t: Mapping[str, Any]) -> str:

@@ -390,10 +390,12 @@ def dev_outcomes(folder: Path) -> dict[str, dict[str, bool]]:
     return {name: next(iter(per.values())) for name, per in bench_outcomes(folder).items()}
 
 
-def dev_stage(cfg: "LoopConfig", sets: TaskSets, model: str, best: dict[str, Any] | None):
+def dev_stage(cfg: "LoopConfig", sets: TaskSets, model: str, best: dict[str, Any] | None,
+              earlier: dict[str, Any] | None = None):
     """The dev slice with the dev strategies (no reward model: checkpoints from different rounds
     are compared under one rule), then the keep-best decision against ``best`` (the best
-    checkpoint's dev record; None for the base policy, which is kept as the first best)."""
+    checkpoint's dev record; None for the base policy, which is kept as the first best) and the
+    ``earlier`` bests' dev outcomes (where -> outcomes)."""
     def run(d: Path) -> dict[str, Any]:
         rows = bench_tasks(cfg, sets.dev, cfg.dev_strategies, cfg.dev_budget, model, None, d)
         mine = dev_outcomes(d)
@@ -401,7 +403,7 @@ def dev_stage(cfg: "LoopConfig", sets: TaskSets, model: str, best: dict[str, Any
             decision = {"keep": True, "new_best": True, "reason": "the starting policy: the first best",
                         "score": None, "best_score": None, "tests": {}}
         else:
-            decision = decide(mine, best["outcomes"], cfg.keep_alpha)
+            decision = decide(mine, best["outcomes"], cfg.keep_alpha, promote=cfg.promote, earlier=earlier)
         decision["score"] = round(dev_score(mine), 4)
         return {"model": model, "rows": rows, "outcomes": mine, "decision": decision}
     return run
