@@ -92,7 +92,7 @@ def decide(candidate: Outcomes, best: Outcomes, alpha: float = 0.05, *, promote:
         verdict = (": new best" if score > best_score else ": no better on dev, the newest kept as the best"
                    if new_best else ": not better than the best")
         reason = ("not significantly worse on dev (" + "; ".join(f"{n} {_fmt(t)}" for n, t in tests.items())
-                  + (f"; nor than the earlier best: {', '.join(before)}" if before else "")
+                  + (f"; nor than the earlier best: {'; '.join(before)}" if before else "")
                   + f"); dev score {score:.3f} vs best {best_score:.3f}" + verdict)
     return {"keep": keep, "new_best": new_best, "reason": reason, "tests": tests, "earlier": before,
             "score": round(score, 4), "best_score": round(best_score, 4)}
