@@ -39,7 +39,7 @@ def keys(env: Any) -> dict[str, str]:
     (``Env.dedup_key``: e.g. Game24's position without its path), so a client's searches merge
     the same states as in process."""
     out = {"state_key": env.state_key()}
-    if getattr(env, "_own_dedup", False):
+    if getattr(env, "own_dedup_key", False):
         out["dedup_key"] = env.dedup_key()
     return out
 

@@ -61,7 +61,9 @@ class Env(ABC):
     max_steps: ClassVar[int] = 20
     snapshot_kind: ClassVar[str] = "value"
     can_restore: ClassVar[bool] = True
-    _own_dedup: ClassVar[bool] = False  # the class overrides dedup_key (set per subclass)
+    #: whether the class overrides dedup_key (set for each subclass; read by wrappers and the
+    #: env server to record or report the key only where it differs from the state key)
+    own_dedup_key: ClassVar[bool] = False
 
     # --- episode -------------------------------------------------------------------------
     @abstractmethod
@@ -98,7 +100,7 @@ class Env(ABC):
         super().__init_subclass__(**kwargs)
         # whether snapshots record a dedup key of their own: only for envs that override it,
         # so the others pay no second hash per step
-        cls._own_dedup = cls.dedup_key is not Env.dedup_key
+        cls.own_dedup_key = cls.dedup_key is not Env.dedup_key
 
     @abstractmethod
     def snapshot(self) -> Snapshot: ...
@@ -205,14 +207,14 @@ class ValueSnapshots:
     """
 
     snapshot_kind: ClassVar[str] = "value"
-    _own_dedup: ClassVar[bool] = False
+    own_dedup_key: ClassVar[bool] = False
     state: Any
 
     def snapshot(self) -> Snapshot:
         if getattr(self, "state", None) is None:
             raise EnvError("snapshot() before reset()")
         return Snapshot("value", self.state, self.state_key(), self.observe(), self.name,
-                        self.dedup_key() if self._own_dedup else "")
+                        self.dedup_key() if self.own_dedup_key else "")
 
     def restore(self, snapshot: Snapshot) -> None:
         check_snapshot(self, snapshot, "value")
@@ -232,7 +234,7 @@ class NativeSnapshots:
     """Snapshot piece for envs with their own save/load (``save_native``/``load_native``)."""
 
     snapshot_kind: ClassVar[str] = "native"
-    _own_dedup: ClassVar[bool] = False
+    own_dedup_key: ClassVar[bool] = False
 
     def save_native(self) -> Any:  # pragma: no cover - interface
         raise NotImplementedError
@@ -242,7 +244,7 @@ class NativeSnapshots:
 
     def snapshot(self) -> Snapshot:
         return Snapshot("native", self.save_native(), self.state_key(), self.observe(), self.name,
-                        self.dedup_key() if self._own_dedup else "")
+                        self.dedup_key() if self.own_dedup_key else "")
 
     def restore(self, snapshot: Snapshot) -> None:
         check_snapshot(self, snapshot, "native")
@@ -276,7 +278,7 @@ class ReplayEnv(Env):
         self.max_steps = inner.max_steps
         self._task: Task | None = None
         self._actions: tuple[str, ...] = ()
-        self._own_dedup = getattr(inner, "_own_dedup", False)
+        self.own_dedup_key = getattr(inner, "own_dedup_key", False)
 
     def reset(self, task: Task) -> str:
         self._task, self._actions = task, ()
@@ -301,7 +303,7 @@ class ReplayEnv(Env):
         if self._task is None:
             raise EnvError("snapshot() before reset()")
         return Snapshot("replay", (self._task, self._actions), self.state_key(), self.observe(),
-                        self.name, self.inner.dedup_key() if self._own_dedup else "")
+                        self.name, self.inner.dedup_key() if self.own_dedup_key else "")
 
     def restore(self, snapshot: Snapshot) -> None:
         check_snapshot(self, snapshot, "replay")

@@ -93,7 +93,7 @@ def load_cached(cache: Any, hits: list[tuple[int, list[Any]]], W: int, device: A
     U = len(hits)
     first = next(parts[0] for n, parts in hits if n)
     L, _, H, _, D = first.shape
-    if len(cache.layers) != L or not all(hasattr(layer, "_n") for layer in cache.layers):
+    if len(cache.layers) != L or not all(isinstance(layer, tuple(_PREALLOC.values())) for layer in cache.layers):
         raise ValueError("the prefix cache needs a plain KV cache (no sliding-window or quantized layers)")
     seg = torch.zeros((U, W), dtype=torch.long, device=device)
     for u, (n, _) in enumerate(hits):

@@ -97,7 +97,7 @@ def test_engine_expand_merges_transposed_siblings_only_with_dedup(dedup):
 
 def test_envs_without_their_own_dedup_key_dedup_by_state_key():
     sokoban = make_env("sokoban")
-    assert not type(sokoban)._own_dedup and type(make_env("game24"))._own_dedup
+    assert not type(sokoban).own_dedup_key and type(make_env("game24")).own_dedup_key
     tasks = om.load_tasks("sokoban", "test", limit=4)
     runs = [om.search_many(tasks, strategy="mcts:simulations=30,k=3", policy="scripted:oracle:p=0.4",
                            seed=3) for _ in range(2)]

@@ -101,9 +101,14 @@ PUBLIC_UNDERSCORE = {"_replace", "_asdict", "_fields", "_make", "_field_defaults
 #: equivalent that the checker cannot tell from ours (a new one fails)
 _TEXTWORLD = "TextWorld's game state (the env's snapshots), which it offers no public way to save"
 KNOWN: dict[tuple[str, str], str] = {
-    ("envs/_textworld_games.py", name): _TEXTWORLD
-    for name in ("_jericho", "_wrapped_env", "_game_progression", "_last_action", "_moves",
-                 "_previous_winning_policy", "_current_winning_policy", "_tree")}
+    **{("envs/_textworld_games.py", name): _TEXTWORLD
+       for name in ("_jericho", "_wrapped_env", "_game_progression", "_last_action", "_moves",
+                    "_previous_winning_policy", "_current_winning_policy", "_tree")},
+    ("train/models.py", "_tied_weights_keys"): "transformers' list of a model's tied weights, "
+                                               "read by name on a loaded model",
+    ("train/packing.py", "_attn_implementation"): "transformers' config field naming the attention kernel"}
+#: the builtins that reach an attribute by its name as a string
+BY_NAME = {"getattr", "setattr", "hasattr", "delattr"}
 #: the folders whose modules the check reads (tests may open up what they test)
 CHECKED = ("omrl_search", "strategies", "reward_models", "train", "benchmarks", "envs")
 
@@ -136,7 +141,8 @@ def private_reaches(path: Path) -> list[tuple[int, str, str]]:
     """(line, name, how) for every private name ``path`` takes from another module: an import of
     a ``_name``; an import of a private module from outside its own package; an attribute
     ``x._name`` read or written on anything but ``self`` / ``cls`` / ``super()`` (a first-party
-    object: the names a file binds to third-party modules are left alone)."""
+    object: the names a file binds to third-party modules are left alone), also when spelled
+    ``getattr(x, "_name")`` (or set/has/delattr)."""
     tree = ast.parse(path.read_text(), str(path))
     package = path.relative_to(ROOT).parts[:-1]
     outside = _outside_modules(tree)
@@ -172,6 +178,13 @@ def private_reaches(path: Path) -> list[tuple[int, str, str]]:
             if isinstance(root, ast.Name) and root.id in outside:
                 continue
             found.append((node.lineno, node.attr, "attribute"))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in BY_NAME \
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) \
+                and isinstance(node.args[1].value, str) and _private(node.args[1].value):
+            target = node.args[0]
+            if isinstance(target, ast.Name) and (target.id in ("self", "cls") or target.id in outside):
+                continue
+            found.append((node.lineno, node.args[1].value, "attribute by name"))
     return found
 
 
@@ -220,6 +233,20 @@ def test_the_private_check_fails_on_planted_violations():
         assert private_reaches(sibling) == []
     finally:
         sibling.unlink()
+
+
+def test_the_private_check_sees_reaches_spelled_as_strings():
+    probe = ROOT / "omrl_search" / "probe_private_strings.py"
+    probe.write_text("import os\n"
+                     "class Env:\n"
+                     "    def go(self, inner):\n"
+                     "        getattr(inner, '_flag', False); setattr(inner, '_x', 1)\n"
+                     "        getattr(self, '_mine', None); hasattr(os, '_exit'); getattr(inner, 'public')\n")
+    try:
+        got = sorted((name, how) for _, name, how in private_reaches(probe))
+    finally:
+        probe.unlink()
+    assert got == [("_flag", "attribute by name"), ("_x", "attribute by name")]
 
 
 def _python(code: str) -> subprocess.CompletedProcess:
