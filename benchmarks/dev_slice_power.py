@@ -24,15 +24,14 @@ import json
 import sys
 
 import numpy as np
-from scipy.stats import binomtest
+
+from omrl_search.paired_runs import load
+from omrl_search.stats import mcnemar, mcnemar_p
 
 
 def discordant(a_spec: str, b_spec: str) -> tuple[int, int, int]:
     """(b_only, a_only, shared tasks) of two runs (``FILE[:STRATEGY[@BUDGET]]``, as
     ``omrl_search.paired_runs`` reads them)."""
-    from omrl_search.paired_runs import load
-    from omrl_search.stats import mcnemar
-
     m = mcnemar(load(a_spec)[1], load(b_spec)[1])
     return m["b_only"], m["a_only"], m["tasks"]
 
@@ -45,7 +44,7 @@ def power(b_only: int, a_only: int, tasks: int, n: int, sims: int, alpha: float,
     higher = significant = rejected = 0
     for b, a, _ in draws:
         higher += b > a
-        if b + a and binomtest(int(b), int(b + a), 0.5).pvalue < alpha:
+        if mcnemar_p(int(b), int(a)) < alpha:
             significant += b > a
             rejected += a > b
     return {"higher": higher / sims, "significant": significant / sims, "rejected": rejected / sims}

@@ -35,6 +35,12 @@ def rate(successes: int, n: int, level: float = LEVEL) -> dict[str, float | int]
             "ci_low": round(low, 4), "ci_high": round(high, 4)}
 
 
+def mcnemar_p(b_only: int, a_only: int) -> float:
+    """Exact McNemar's two-sided p-value from the discordant counts (1.0 when there are none)."""
+    discordant = a_only + b_only
+    return float(binomtest(b_only, discordant, 0.5).pvalue) if discordant else 1.0
+
+
 def mcnemar(a: Mapping[str, bool], b: Mapping[str, bool]) -> dict[str, float | int]:
     """Exact McNemar test of ``b`` against ``a`` on the tasks both ran (keyed by task id).
 
@@ -47,8 +53,7 @@ def mcnemar(a: Mapping[str, bool], b: Mapping[str, bool]) -> dict[str, float | i
         raise ValueError("the two runs share no task: a paired test needs the same tasks")
     b_only = sum(1 for t in shared if b[t] and not a[t])
     a_only = sum(1 for t in shared if a[t] and not b[t])
-    discordant = a_only + b_only
-    p = binomtest(b_only, discordant, 0.5).pvalue if discordant else 1.0
+    p = mcnemar_p(b_only, a_only)
     return {"tasks": len(shared), "b_only": b_only, "a_only": a_only,
             "diff": round((b_only - a_only) / len(shared), 4), "p_value": float(f"{p:.4g}")}
 
