@@ -281,6 +281,40 @@ def test_expert_levels_add_demonstrations_from_each_levels_own_stream(tmp_path):
             cfg.model_copy(update=bad).check()
 
 
+def test_dev_split_draws_the_dev_slice_from_a_stream_of_its_own(tmp_path):
+    """``dev_split``: the dev slice is a train stream's first tasks with no train- or test-split
+    puzzle, so the whole train split stays for demonstrations and search; the level streams'
+    demonstrations leave its puzzles out too; asking more than it holds, a test stream or a bad
+    knob is one error."""
+    import omrl_search as om
+    from train.config import TrainError
+    from train.loop import LoopConfig
+    from train.loop_select import puzzle_key
+    from train.loop_stages import TaskSets
+
+    cur = {"knob": "level", "levels": [1, 2, 3]}
+    cfg = LoopConfig(env="countdown", policy="scripted:oracle:p=0", agent="act", expert_demos=1000,
+                     expert_levels={1: 50}, curriculum=cur, dev_limit=60, dev_split="train:level=1",
+                     prm=False, progress=False, out=str(tmp_path))
+    cfg.check()
+    sets = TaskSets(cfg)
+    train, test = om.load_tasks("countdown", "train"), om.load_tasks("countdown", "test")
+    stream = om.load_tasks("countdown", "train:level=1")
+    dev = {puzzle_key(t) for t in sets.dev}
+    assert len(dev) == 60 and all(t.data["level"] == 1 for t in sets.dev)
+    assert not dev & {puzzle_key(t) for t in train + test}
+    # the first 60 of the stream that are in neither split: some of its puzzles are train's
+    outside = [t for t in stream if puzzle_key(t) not in {puzzle_key(u) for u in train + test}]
+    assert sets.dev == outside[:60] and len(outside) < len(stream)
+    assert sets.pool == train and sets.demos[:1000] == train
+    assert not dev & {puzzle_key(t) for t in sets.demos[1000:]} and len(sets.demos) == 1050
+    with pytest.raises(TrainError, match="dev_split train:level=1 has"):
+        TaskSets(cfg.model_copy(update={"dev_limit": 100000}))
+    for bad, needle in (("test:level=1", "a train stream"), ("train:level=9", "level")):
+        with pytest.raises(ValueError, match=needle):
+            cfg.model_copy(update={"dev_split": bad}).check()
+
+
 def test_agent_act_reaches_the_loops_searches_demonstrations_and_evals(tmp_path):
     """``agent: act``: the round's search, its solver demonstrations and the evals all run in
     the act format (trees record it, steps are Act lines alone), so what is trained on is what

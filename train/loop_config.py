@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+import omrl_search as om
 from omrl_search.bench import parse_budgets, split_strategies
 from omrl_search.budget import Budget
 from omrl_search.env import env_class
@@ -90,6 +91,10 @@ class LoopConfig(BaseModel):
     save_every: int = Field(10, ge=1)  # trainer checkpoints, for resuming a killed stage
     # keep-best: the dev slice (the last dev_limit train tasks; 0: every stage kept unchecked)
     dev_limit: int = Field(100, ge=0)
+    # or the first dev_limit tasks of a train stream of its own (``train:KNOBS``; Countdown's
+    # ``train:target=10-999`` has the train split's mix), less train- and test-split puzzles: a
+    # dev slice as big as keep-best needs without taking tasks from the demonstrations and search
+    dev_split: str | None = None
     dev_strategies: str = "react,best_of_n:n=4"
     dev_budget: str = "tokens=2000"
     keep_alpha: float = Field(0.05, gt=0, lt=1)
@@ -120,6 +125,10 @@ class LoopConfig(BaseModel):
         for s in split_strategies(self.eval_strategies) + split_strategies(self.dev_strategies):
             make_strategy(s)
         parse_budgets(self.eval_budgets)
+        if self.dev_split is not None:
+            if self.dev_split.partition(":")[0] != "train":
+                raise ValueError(f"dev_split: a train stream (train:KNOBS), got {self.dev_split!r}")
+            om.load_tasks(self.env, self.dev_split, 1)  # a bad knob: its one ValueError line
         if len(parse_budgets(self.dev_budget)[1]) != 1:
             raise ValueError(f"dev_budget: one budget, got {self.dev_budget!r}")
         if self.best_search is not None:

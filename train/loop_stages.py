@@ -49,26 +49,40 @@ def _write_json(path: Path, obj: Any) -> None:
 
 # --- task sets -------------------------------------------------------------------------------------
 class TaskSets:
-    """The run's dev slice (the end of the train split), the train pool (the rest of the train
-    split, without the dev puzzles) and the test tasks."""
+    """The run's dev slice (the end of the train split, or ``dev_split``'s first tasks), the train
+    pool (the rest of the train split, without the dev puzzles) and the test tasks."""
 
     def __init__(self, cfg: "LoopConfig"):
         train = om.load_tasks(cfg.env, "train")
-        if cfg.dev_limit >= len(train):
-            raise TrainError(f"dev_limit {cfg.dev_limit} leaves no train task ({cfg.env} has {len(train)})")
         self.cfg = cfg
-        self.dev = dev_slice(train, cfg.dev_limit)
-        self.pool = without(train[:len(train) - cfg.dev_limit], self.dev)
+        if cfg.dev_split is None:
+            if cfg.dev_limit >= len(train):
+                raise TrainError(f"dev_limit {cfg.dev_limit} leaves no train task ({cfg.env} has {len(train)})")
+            self.dev = dev_slice(train, cfg.dev_limit)
+            self.pool = without(train[:len(train) - cfg.dev_limit], self.dev)
+        else:  # a stream of its own: the whole train split stays for demonstrations and search
+            self.dev = self._own_dev(train)
+            self.pool = without(train, self.dev)
         if cfg.expert_demos > len(self.pool):  # not silently fewer than asked
             raise TrainError(f"expert_demos {cfg.expert_demos} is more than the {len(self.pool)} {cfg.env} "
                              f"train tasks outside the dev slice (dev_limit {cfg.dev_limit})")
         self.demos = self.pool[:cfg.expert_demos] + self._level_demos(train)
 
+    def _own_dev(self, train: list[Task]) -> list[Task]:
+        """``dev_split``'s first ``dev_limit`` tasks whose puzzles are in neither the train nor
+        the test split."""
+        cfg = self.cfg
+        dev = without(without(om.load_tasks(cfg.env, cfg.dev_split), train), self.test())[:cfg.dev_limit]
+        if len(dev) < cfg.dev_limit:  # not silently a smaller slice than asked
+            raise TrainError(f"dev_split {cfg.dev_split} has {len(dev)} {cfg.env} tasks outside the "
+                             f"train and test splits, not dev_limit {cfg.dev_limit}")
+        return dev
+
     def _level_demos(self, train: list[Task]) -> list[Task]:
         """``expert_levels``' tasks: each level's own stream without the train split's puzzles."""
         out: list[Task] = []
         for level, count in self.cfg.expert_levels.items():
-            tasks = curriculum.level_tasks(self.cfg.env, self.cfg.curriculum, level, train, 0, count)
+            tasks = curriculum.level_tasks(self.cfg.env, self.cfg.curriculum, level, train + self.dev, 0, count)
             if len(tasks) < count:  # not silently fewer than asked
                 raise TrainError(f"expert_levels: level {level} has {len(tasks)} {self.cfg.env} tasks "
                                  f"outside the train split, not {count}")
