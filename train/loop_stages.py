@@ -72,7 +72,8 @@ class TaskSets:
         """``dev_split``'s first ``dev_limit`` tasks whose puzzles are in neither the train nor
         the test split."""
         cfg = self.cfg
-        dev = without(without(om.load_tasks(cfg.env, cfg.dev_split), train), self.test())[:cfg.dev_limit]
+        held = train + om.load_tasks(cfg.env, "test")  # the whole test split, not only test_limit of it
+        dev = without(om.load_tasks(cfg.env, cfg.dev_split), held)[:cfg.dev_limit]
         if len(dev) < cfg.dev_limit:  # not silently a smaller slice than asked
             raise TrainError(f"dev_split {cfg.dev_split} has {len(dev)} {cfg.env} tasks outside the "
                              f"train and test splits, not dev_limit {cfg.dev_limit}")
