@@ -559,6 +559,7 @@ def test_the_shipped_loop_configs_search_mcts_at_scale(name):
 
     from omrl_search.specs import parse_spec
     from train.loop import LoopConfig
+    from train.loop_stages import TaskSets
 
     cfg = LoopConfig(**yaml.safe_load((Path(__file__).parent.parent / "configs" / f"{name}.yaml").read_text()))
     cfg.check()
@@ -566,6 +567,8 @@ def test_the_shipped_loop_configs_search_mcts_at_scale(name):
     assert strategy == "mcts" and opts["priors"] == "policy" and opts["solver"] in (True, "true")
     assert cfg.train_limit >= 200 and cfg.dpo_pairs == "qgap" and cfg.prm and cfg.prm_soft == "q"
     assert cfg.test_limit == 200
+    sets = TaskSets(cfg)  # the dev slice and demonstrations the run will draw, as many as asked
+    assert len(sets.dev) == cfg.dev_limit and len(sets.demos) >= cfg.expert_demos
     # and they end with the search on the kept checkpoint: MCTS at 5,000 tokens a puzzle
     assert parse_spec(cfg.best_search)[0] == "mcts" and cfg.best_budget == "tokens=5000"
 
