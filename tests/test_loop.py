@@ -315,6 +315,32 @@ def test_dev_split_draws_the_dev_slice_from_a_stream_of_its_own(tmp_path):
             cfg.model_copy(update={"dev_split": bad}).check()
 
 
+def test_test_splits_add_held_out_streams_a_puzzle_once(tmp_path):
+    """``test_splits``: the held-out tasks are ``test_limit`` of each split in order, a puzzle
+    once (a stream that repeats a test-split puzzle gives it once), and a dev slice from a
+    stream of its own leaves them all out; a train split there is one error."""
+    import omrl_search as om
+    from train.loop import LoopConfig
+    from train.loop_select import puzzle_key
+    from train.loop_stages import TaskSets
+
+    cfg = LoopConfig(env="countdown", policy="scripted:oracle:p=0", agent="act",
+                     test_splits=["test", "test:level=1"], dev_limit=20, dev_split="train:level=1",
+                     prm=False, progress=False, out=str(tmp_path))
+    cfg.check()
+    sets = TaskSets(cfg)
+    test, first = sets.test(), om.load_tasks("countdown", "test", 200)
+    level1 = om.load_tasks("countdown", "test:level=1", 200)
+    keys = [puzzle_key(t) for t in test]
+    # the level-1 stream repeats a few three-number puzzles of the test split: each comes once
+    repeats = {puzzle_key(t) for t in first} & {puzzle_key(t) for t in level1}
+    assert repeats and test[:200] == first and len(test) == 400 - len(repeats) == len(set(keys))
+    assert not {puzzle_key(t) for t in sets.dev} & set(keys)
+    assert TaskSets(cfg.model_copy(update={"test_splits": ["test", "test"]})).test() == first
+    with pytest.raises(ValueError, match="test_splits: test streams"):
+        cfg.model_copy(update={"test_splits": ["test", "train:level=1"]}).check()
+
+
 def test_agent_act_reaches_the_loops_searches_demonstrations_and_evals(tmp_path):
     """``agent: act``: the round's search, its solver demonstrations and the evals all run in
     the act format (trees record it, steps are Act lines alone), so what is trained on is what

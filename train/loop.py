@@ -51,7 +51,7 @@ class LoopError(Exception):
 
 # --- stages ------------------------------------------------------------------------------------
 #: settings added after runs were started, as those runs behaved (their loop.json lacks them)
-LEGACY_SETTINGS = {"continue_from": "kept", "expert_levels": {}, "promote": "better"}
+LEGACY_SETTINGS = {"continue_from": "kept", "expert_levels": {}, "promote": "better", "test_splits": ["test"]}
 
 
 class Run:

@@ -108,6 +108,10 @@ class LoopConfig(BaseModel):
     promote: Literal["better", "not_worse"] = "better"
     # evaluation on the test split (reported; no decision looks at it)
     test_limit: int = Field(200, ge=1)
+    # the held-out tasks: test_limit of each split, a puzzle once; a test stream of its own
+    # (Countdown's test:target=10-999, the test split's mix, no puzzle shared) adds power where
+    # 200 tasks cannot tell two rounds apart (docs/loop.md: 600 held-out puzzles)
+    test_splits: list[str] = Field(default_factory=lambda: ["test"], min_length=1)
     eval_strategies: str = "react,best_of_n,mcts"
     eval_budgets: str = "tokens=1000,4000"
     # after the last round: one search on the test split with the best checkpoint (and the last
@@ -129,6 +133,10 @@ class LoopConfig(BaseModel):
             if self.dev_split.partition(":")[0] != "train":
                 raise ValueError(f"dev_split: a train stream (train:KNOBS), got {self.dev_split!r}")
             om.load_tasks(self.env, self.dev_split, 1)  # a bad knob: its one ValueError line
+        for split in self.test_splits:
+            if split.partition(":")[0] != "test":
+                raise ValueError(f"test_splits: test streams (test or test:KNOBS), got {split!r}")
+            om.load_tasks(self.env, split, 1)
         if len(parse_budgets(self.dev_budget)[1]) != 1:
             raise ValueError(f"dev_budget: one budget, got {self.dev_budget!r}")
         if self.best_search is not None:

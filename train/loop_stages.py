@@ -72,7 +72,7 @@ class TaskSets:
         """``dev_split``'s first ``dev_limit`` tasks whose puzzles are in neither the train nor
         the test split."""
         cfg = self.cfg
-        held = train + om.load_tasks(cfg.env, "test")  # the whole test split, not only test_limit of it
+        held = train + om.load_tasks(cfg.env, "test") + self.test()  # all of the test split, and the streams
         dev = without(om.load_tasks(cfg.env, cfg.dev_split), held)[:cfg.dev_limit]
         if len(dev) < cfg.dev_limit:  # not silently a smaller slice than asked
             raise TrainError(f"dev_split {cfg.dev_split} has {len(dev)} {cfg.env} tasks outside the "
@@ -91,7 +91,11 @@ class TaskSets:
         return out
 
     def test(self) -> list[Task]:
-        return om.load_tasks(self.cfg.env, "test", self.cfg.test_limit)
+        """``test_limit`` tasks of each of ``test_splits``, in order, a puzzle once."""
+        out: list[Task] = []
+        for split in self.cfg.test_splits:
+            out += without(om.load_tasks(self.cfg.env, split, self.cfg.test_limit), out)
+        return out
 
 
 def _searcher(cfg: "LoopConfig", r: int, model: str, prm: str | None) -> Callable[[list[Task]], list]:
