@@ -104,8 +104,7 @@ KNOWN: dict[tuple[str, str], str] = {
     **{("envs/_textworld_games.py", name): _TEXTWORLD
        for name in ("_jericho", "_wrapped_env", "_game_progression", "_last_action", "_moves",
                     "_previous_winning_policy", "_current_winning_policy", "_tree")},
-    ("train/models.py", "_tied_weights_keys"): "transformers' list of a model's tied weights, "
-                                               "read by name on a loaded model",
+    # transformers (5.25) names the attention kernel only in this config property, no public getter
     ("train/packing.py", "_attn_implementation"): "transformers' config field naming the attention kernel"}
 #: the builtins that reach an attribute by its name as a string
 BY_NAME = {"getattr", "setattr", "hasattr", "delattr"}

@@ -104,7 +104,7 @@ def load_weights(model: Any, folder: str | Path) -> None:
     for f in files:
         state.update(load_file(str(f)))
     missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = set(getattr(model, "_tied_weights_keys", None) or ())
+    tied = set(getattr(model, "all_tied_weights_keys", None) or ())  # transformers' public map of tied weights
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         tied.add("lm_head.weight")
     missing = [k for k in missing if k not in tied]
