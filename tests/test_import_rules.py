@@ -103,9 +103,7 @@ _TEXTWORLD = "TextWorld's game state (the env's snapshots), which it offers no p
 KNOWN: dict[tuple[str, str], str] = {
     **{("envs/_textworld_games.py", name): _TEXTWORLD
        for name in ("_jericho", "_wrapped_env", "_game_progression", "_last_action", "_moves",
-                    "_previous_winning_policy", "_current_winning_policy", "_tree")},
-    # transformers (5.25) names the attention kernel only in this config property, no public getter
-    ("train/packing.py", "_attn_implementation"): "transformers' config field naming the attention kernel"}
+                    "_previous_winning_policy", "_current_winning_policy", "_tree")}}
 #: the builtins that reach an attribute by its name as a string
 BY_NAME = {"getattr", "setattr", "hasattr", "delattr"}
 #: the folders whose modules the check reads (tests may open up what they test)

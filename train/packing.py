@@ -189,7 +189,7 @@ def model_logprobs(model: Any, batch: dict[str, Any], *, hidden: bool = False
     keep[src] = True
     compact = keep.cumsum(0) - 1  # kept position -> its row in the logits
     if "attention_mask" in inputs:
-        inputs["attention_mask"] = _for_attention(model, inputs["attention_mask"])
+        inputs["attention_mask"] = _for_attention(inputs["attention_mask"])
     try:
         out = model(**inputs, use_cache=False, logits_to_keep=keep.view(R, N),
                     output_hidden_states=hidden)
@@ -238,16 +238,14 @@ def unpack_bitmask(bits: Tensor, vocab: int) -> Tensor:
     return torch.nn.functional.pad(flat, (0, vocab - flat.shape[1]))
 
 
-def _for_attention(model: Any, mask: Tensor) -> Tensor:
-    """A 4D boolean mask as the model's attention wants it: eager attention adds the mask to
-    its scores, so it gets 0 / the dtype's minimum; sdpa and the others take booleans."""
+def _for_attention(mask: Tensor) -> Tensor:
+    """A 4D boolean mask as an additive float mask (0 where attended, the float32 minimum
+    elsewhere): eager attention adds it to its scores and sdpa takes it as it is (a float32 mask
+    beside bf16 queries included), so no kernel needs to be told apart."""
     if mask.dim() != 4:
         return mask
-    impl = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa")
-    if impl == "eager":
-        return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(
-            ~mask, torch.finfo(torch.float32).min)
-    return mask
+    return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(
+        ~mask, torch.finfo(torch.float32).min)
 
 
 def _full_path(model: Any, batch: dict[str, Any], hidden: bool) -> tuple[Tensor, Tensor | None]:
@@ -256,7 +254,7 @@ def _full_path(model: Any, batch: dict[str, Any], hidden: bool) -> tuple[Tensor,
     kw: dict[str, Any] = {"input_ids": batch["input_ids"], "use_cache": False}
     if "position_ids" in batch:
         kw["position_ids"] = batch["position_ids"]
-        kw["attention_mask"] = _for_attention(model, block_mask(batch["position_ids"]))
+        kw["attention_mask"] = _for_attention(block_mask(batch["position_ids"]))
     else:
         kw["attention_mask"] = batch["attention_mask"]
     out = model(**kw, output_hidden_states=hidden)
