@@ -19,6 +19,14 @@ tokenizer — the exact ids the policy saw (context ids and completion ids per s
   different model).
 * ``input="auto"`` (default): segments when the episode has them and they decode, with the reward
   model's tokenizer, to the recorded completion texts; text otherwise.
+* ``input="observations"``: only what the env showed after each step, one line per step, as plain
+  text (no prompt, no thoughts or actions, no chat template); step ``i`` reads at the end of its
+  observation. A value function over env states, as a game engine's value net reads the board:
+  where the observation shows the whole state (Game24, Countdown: the numbers left and the
+  target) it judges the state, not how the policy wrote its way there, and it costs tens of tokens
+  a step where the text input costs hundreds. It sees the earlier observations too (one causal
+  pass per episode). Only with ``read="observation"``: before the env answers there is nothing of
+  the step to read.
 
 ``read="observation"`` (default) reads a step's score at the end of the observation turn that
 followed it (the step's result is part of what is judged, which is what a search needs to compare
@@ -33,7 +41,7 @@ from omrl_search.agent import ReActFormat, TurnEncoder, make_format
 from omrl_search.exports import prompt_messages
 from omrl_search.tree import Trajectory
 
-INPUTS = ("auto", "segments", "text")
+INPUTS = ("auto", "segments", "text", "observations")
 READS = ("observation", "step")
 _FORMAT = ReActFormat()
 
@@ -116,6 +124,9 @@ class StepEncoder:
             raise ValueError(f"read must be one of {', '.join(READS)}, got {read!r}")
         if input not in INPUTS:
             raise ValueError(f"input must be one of {', '.join(INPUTS)}, got {input!r}")
+        if input == "observations" and read != "observation":
+            raise ValueError("input=observations reads the env's answer to each step: it needs "
+                             "read=observation")
         self.tok, self.read, self.input, self.max_length = tokenizer, read, input, int(max_length)
         self.turns = TurnEncoder(tokenizer)
         s = TurnEncoder.SENTINEL
@@ -140,8 +151,8 @@ class StepEncoder:
         return True
 
     def mode(self, ep: Episode) -> str:
-        if self.input == "text":
-            return "text"
+        if self.input in ("text", "observations"):
+            return self.input
         ok = self.segments_match(ep)
         if self.input == "segments" and not ok:
             raise ValueError("input=segments: the episode's token ids are not this reward "
@@ -155,7 +166,8 @@ class StepEncoder:
         Longer than ``max_length``: the oldest tokens are cut; steps whose position was cut read
         at the first kept token."""
         n = len(ep) if steps is None else min(steps, len(ep))
-        ids, pos = (self._segments if self.mode(ep) == "segments" else self._text)(ep, n)
+        ids, pos = {"segments": self._segments, "text": self._text,
+                    "observations": self._observations}[self.mode(ep)](ep, n)
         cut = len(ids) - self.max_length
         if cut > 0:
             ids = ids[cut:]
@@ -175,6 +187,14 @@ class StepEncoder:
                 ids += enc.observation_turn(_FORMAT.observation_message(ep.observations[i])["content"], comp)
             if self.read == "observation":
                 pos.append(len(ids) - 1)
+        return ids, pos
+
+    def _observations(self, ep: Episode, n: int) -> tuple[list[int], list[int]]:
+        ids: list[int] = []
+        pos: list[int] = []
+        for obs in ep.observations[:n]:
+            ids += self.tok.encode(obs.strip() + "\n")
+            pos.append(len(ids) - 1)
         return ids, pos
 
     def _segments(self, ep: Episode, n: int) -> tuple[list[int], list[int]]:

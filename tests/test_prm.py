@@ -43,6 +43,26 @@ def test_text_input_reads_one_position_per_step(prm):
     assert "You take the key" not in prm.tokenizer.decode(ids2)  # nothing after the last step
 
 
+def test_observations_input_reads_only_what_the_env_showed(prm, tmp_path):
+    enc = StepEncoder(prm.tokenizer, input="observations")
+    ids, pos = enc.encode(EP)
+    tok = prm.tokenizer
+    assert tok.decode(ids) == "You are in a kitchen.\nYou take the key.\n"  # no prompt, no actions
+    assert pos == [len(tok.encode("You are in a kitchen.\n")) - 1, len(ids) - 1]
+    assert enc.encode(EP, steps=1) == (ids[:pos[0] + 1], pos[:1])
+    with pytest.raises(ValueError, match="needs read=observation"):
+        StepEncoder(prm.tokenizer, input="observations", read="step")
+    # the same observations after other thoughts and actions: the same scores
+    twin = Episode("Task: something else", ["Act: grab", "Think: ok.\nAct: pick up key"], EP.observations)
+    obs = ProcessRewardModel(prm.model, tok, input="observations", prefix_cache=False)
+    assert obs.score_episodes([EP])[0] == obs.score_episodes([twin])[0]
+    assert obs.score_episodes([EP])[0] != prm.score_episodes([EP])[0]
+    obs.save_pretrained(str(tmp_path / "obs"))  # the input is saved with the model
+    loaded = make_reward_model(f"prm:{tmp_path / 'obs'}:device=cpu")
+    assert loaded.encoder.input == "observations"
+    assert loaded.score_episodes([twin])[0] == pytest.approx(obs.score_episodes([EP])[0], abs=1e-6)
+
+
 def test_segments_are_used_when_the_policy_shares_the_tokenizer(prm, tiny_hf_model, tmp_path):
     import shutil
 

@@ -45,7 +45,7 @@ class PRMConfig(TrainConfig):
     max_length: int = Field(1024, ge=8)
     objective: Literal["process", "outcome"] = "process"
     read: Literal["observation", "step"] = "observation"
-    input: Literal["auto", "segments", "text"] = "auto"
+    input: Literal["auto", "segments", "text", "observations"] = "auto"
     aggregation: Literal["min", "last", "prod", "mean"] = "last"
     keep_layers: int | None = Field(None, ge=1)  # cut the backbone to its bottom N blocks
     train_layers: int | None = Field(None, ge=0)  # train only the top N blocks (+ head); None: all
@@ -377,6 +377,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                      ("--loss", {"choices": ["pointwise", "pairwise"]}),
                      ("--margin", {"type": float}), ("--balance", {"choices": ["none", "weight"]}),
                      ("--read", {"choices": ["observation", "step"]}),
+                     ("--input", {"choices": ["auto", "segments", "text", "observations"]}),
                      ("--device", {}), ("--dtype", {"choices": ["auto", "float32", "bfloat16"]})):
         p.add_argument(flag, default=None, **kw)
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
@@ -388,8 +389,8 @@ def config_from_args(args: argparse.Namespace) -> PRMConfig:
     cfg = PRMConfig.from_sources(args.config, list(args.set))
     flags: dict[str, Any] = {"model": args.base, "out": args.out, "data": list(args.data)}
     for key in ("epochs", "lr", "batch_size", "max_steps", "keep_layers", "train_layers", "max_rows",
-                "val_fraction", "eval_every", "save_every", "seed", "objective", "read", "device", "dtype",
-                "loss", "margin", "balance"):
+                "val_fraction", "eval_every", "save_every", "seed", "objective", "read", "input",
+                "device", "dtype", "loss", "margin", "balance"):
         if getattr(args, key, None) is not None:
             flags[key] = getattr(args, key)
     if args.resume:
