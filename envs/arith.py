@@ -392,6 +392,16 @@ class ArithmeticEnv(ValueSnapshots, TextEnv):
             return float(s.success)
         return float(solvable(s.numbers, s.target))
 
+    def value_key(self) -> str:
+        """The numbers left (a multiset: the state keeps them sorted) and the target, and the
+        answer mode: what :meth:`exact_value` depends on, so two states with one key are both
+        solvable or both lost, in any task (the step count is left out for the reason given
+        there)."""
+        s = self._require()
+        if s.done:
+            return stable_hash(("done", s.success))
+        return stable_hash((s.numbers, s.target, s.answer_step))
+
     def action_grammar(self) -> str | None:
         """``a op b`` over two numbers left, or ``answer EXPR`` (see :mod:`envs._arith_lang`)."""
         s = self._require()

@@ -138,6 +138,14 @@ class Env(ABC):
         (docs/reward_models.md). None: the env cannot tell."""
         return None
 
+    def value_key(self) -> str | None:
+        """Optional capability: a key of what the current state's value depends on, the same in
+        every task of this env: two unfinished states with equal keys, in any two tasks, can both
+        still be solved or neither can (Game24, Countdown: the numbers left and the target).
+        ``omrl label --soft q --share-proofs`` reads it to pass a solver-proven win on to every
+        step whose state has the same key (docs/reward_models.md). None: the env cannot tell."""
+        return None
+
     def close(self) -> None:
         """Release resources (processes, files)."""
 
@@ -330,6 +338,9 @@ class ReplayEnv(Env):
 
     def exact_value(self) -> float | None:
         return self.inner.exact_value()
+
+    def value_key(self) -> str | None:
+        return self.inner.value_key()
 
     def close(self) -> None:
         self.inner.close()

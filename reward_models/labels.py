@@ -23,6 +23,10 @@ prunes left out):
   solved finished leaf below it is a proven win (1.0: the env is deterministic and single-player,
   so the way down is a way to win), a finished step that failed a proven loss (0.0); a node with
   neither visits nor a proof keeps its MC value.
+* **Shared proofs** (``--soft q --share-proofs``, :func:`shared_proofs`), for envs that offer
+  :meth:`omrl_search.env.Env.value_key` (Game24, Countdown): a proven win is passed on to every
+  step, in any tree of any task, whose state has the same key, including children the search
+  never visited. Every such label is a win the search reached; no solver is asked.
 * **Exact value** (``--soft exact``, :func:`exact_labels`), for envs that offer
   :meth:`omrl_search.env.Env.exact_value` (Game24, Countdown): 1.0 when the state after the step
   can still be solved, 0.0 when not; a finished step is its success. Every step gets one, so no
@@ -128,18 +132,15 @@ def check_exact(env_names: Iterable[str]) -> None:
                              "exact need an env offering Env.exact_value, e.g. game24 or countdown)")
 
 
-def exact_labels(results: Sequence[Any]) -> dict[tuple[int, int], float]:
-    """``{(result index, node id): exact value}`` for every stepped node of every tree: each
-    tree's env is reset to its task and the recorded actions replayed (checked against the
-    recorded state keys; a malformed step, which never reached the env, keeps its parent's
-    state); a finished step is its success, any other the env's
-    :meth:`~omrl_search.env.Env.exact_value`."""
+def replayed_states(results: Sequence[Any]):
+    """``(result index, node, env)`` for every stepped, unfinished node of every tree, the env
+    standing at that node's state: each tree's env is reset to its task and the recorded actions
+    replayed (checked against the recorded state keys; a malformed step, which never reached the
+    env, keeps its parent's state). Finished steps come as ``(index, node, None)``."""
     from omrl_search.env import make_env
     from omrl_search.tree import FAILED
 
-    check_exact(r.task.env for r in results)
     envs: dict[str, Any] = {}
-    out: dict[tuple[int, int], float] = {}
     for i, res in enumerate(results):
         tree = res.tree
         env = envs.get(tree.task.env) or envs.setdefault(tree.task.env, make_env(tree.task.env))
@@ -150,7 +151,7 @@ def exact_labels(results: Sequence[Any]) -> dict[tuple[int, int], float]:
             if n.status == FAILED or n.step is None or parent.id not in states:
                 continue
             if n.terminal:
-                out[(i, n.id)] = float(n.success)
+                yield i, n, None
                 continue
             env.restore(states[parent.id])
             if not (n.state_key and n.state_key == parent.state_key):  # a malformed step: no env step
@@ -159,7 +160,43 @@ def exact_labels(results: Sequence[Any]) -> dict[tuple[int, int], float]:
                     raise ValueError(f"replay of {tree.task.task_id} diverged from the recorded tree "
                                      f"at node {n.id}")
             states[n.id] = env.snapshot()
-            out[(i, n.id)] = float(env.exact_value())
+            yield i, n, env
+
+
+def exact_labels(results: Sequence[Any]) -> dict[tuple[int, int], float]:
+    """``{(result index, node id): exact value}`` for every stepped node of every tree
+    (:func:`replayed_states`): a finished step is its success, any other the env's
+    :meth:`~omrl_search.env.Env.exact_value`."""
+    check_exact(r.task.env for r in results)
+    return {(i, n.id): float(n.success) if env is None else float(env.exact_value())
+            for i, n, env in replayed_states(results)}
+
+
+def shared_proofs(results: Sequence[Any]) -> dict[tuple[int, int], float]:
+    """Q labels (:func:`q_labels`) with every solver-proven win passed on to the unfinished steps
+    whose state the env keys the same (:meth:`~omrl_search.env.Env.value_key`), in the same tree
+    or in another task's: a transposition table over all the trees. Sound where the key says what
+    it promises (equal keys: both solvable or neither), since a proof is a way to win found by the
+    search; it labels steps of no Q of their own (children the search never visited) when their
+    state was proven elsewhere. No oracle: every win it passes on is one the search reached."""
+    from omrl_search.export_common import q_values
+
+    keys: dict[tuple[int, int], str] = {}
+    for i, n, env in replayed_states(results):
+        key = env.value_key() if env is not None else None
+        if env is not None and key is None:
+            raise ValueError(f"env {results[i].task.env!r} offers no value_key: --share-proofs needs "
+                             "one (Game24, Countdown)")
+        if key is not None:
+            keys[(i, n.id)] = key
+    out: dict[tuple[int, int], float] = {}
+    won: set[str] = set()
+    for i, res in enumerate(results):
+        for nid, (q, proven) in q_values(res.tree).items():
+            out[(i, nid)] = q
+            if proven and q == 1.0 and (i, nid) in keys:
+                won.add(keys[(i, nid)])
+    out.update({node: 1.0 for node, key in keys.items() if key in won})
     return out
 
 
@@ -167,8 +204,8 @@ def exact_labels(results: Sequence[Any]) -> dict[tuple[int, int], float]:
 def label_results(results: Iterable[Any], *, policy: Any = None, rollouts: int = 4,
                   soft: str = "mc", threshold: float = 0.5, tree_leaves: bool = True,
                   segments: bool = True, seed: int = 0, max_depth: int | None = None,
-                  sampling: Any = None, progress: bool = False, tokenizer: Any = None
-                  ) -> list[dict[str, Any]]:
+                  sampling: Any = None, progress: bool = False, tokenizer: Any = None,
+                  share_proofs: bool = False) -> list[dict[str, Any]]:
     """Label rows (see :mod:`reward_models.label_files`) from search results: the rows of
     :func:`omrl_search.exports.prm_rows` (``omrl export prm``), with fresh rollouts by
     ``policy`` added where a step has fewer than ``rollouts``."""
@@ -180,7 +217,10 @@ def label_results(results: Iterable[Any], *, policy: Any = None, rollouts: int =
     if rollouts < 0 or not 0.0 < threshold <= 1.0:
         raise ValueError("need rollouts >= 0 and 0 < threshold <= 1")
     results = list(results)
-    override = exact_labels(results) if soft == "exact" else q_labels(results) if soft == "q" else None
+    if share_proofs and soft != "q":
+        raise ValueError("share_proofs passes solver-proven wins between Q labels: it needs soft=q")
+    override = (exact_labels(results) if soft == "exact" else shared_proofs(results) if share_proofs
+                else q_labels(results) if soft == "q" else None)
     if soft == "exact":
         policy = None  # every step has its value: no rollouts to complete
     plans: dict[str, list[_Target]] = {}
@@ -225,6 +265,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--soft", choices=KINDS, default="mc",
                    help="what soft_labels holds (default mc; q: MCTS Q with proven wins/losses; "
                         "exact: the env's exact value, an oracle: as training labels a ceiling experiment)")
+    p.add_argument("--share-proofs", action="store_true",
+                   help="with --soft q: a step whose state the env keys as a proven win's (in any "
+                        "tree, any task) is a proven win too (Env.value_key: Game24, Countdown)")
     p.add_argument("--threshold", type=float, default=0.5, help="labels = soft_labels >= this")
     p.add_argument("--no-segments", action="store_true", help="leave the token-id segments out")
     p.add_argument("--max-depth", type=int, default=None, help="rollout depth (default: env's)")
@@ -288,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
         results, policy=policy, rollouts=args.rollouts, soft=args.soft, threshold=args.threshold,
         tree_leaves=not args.no_tree_leaves, segments=not args.no_segments, seed=args.seed,
         max_depth=args.max_depth, sampling=SamplingParams(args.temperature, max_tokens=args.max_tokens),
-        progress=not args.no_progress, tokenizer=encoder)
+        progress=not args.no_progress, tokenizer=encoder, share_proofs=args.share_proofs)
     if not rows:
         raise ValueError("no labelled steps: the trees have no finished rollouts (give --policy)")
     written = write_labels(rows, out)

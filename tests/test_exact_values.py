@@ -309,3 +309,52 @@ def test_heldout_on_some_tasks_writes_predictions_two_prms_compare(tmp_path, mon
                            str(tmp_path / "oracle.jsonl"), str(bad)], capture_output=True, text=True, cwd=root)
     n = len(lines) + 1
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith(f"prm_heldout: error: {bad}:{n}:")
+
+
+@pytest.mark.parametrize("name", ["game24", "countdown"])
+def test_equal_value_keys_mean_equal_exact_values_across_tasks(name):
+    env, rng = make_env(name), random.Random(11)
+    value_of: dict[str, float] = {}
+    boards: dict[str, set] = {}
+    for task in om.load_tasks(name, "train", limit=20):
+        for depth in (1,) * 5 + (2,) * 20:
+            env.reset(task)
+            _random_walk(env, rng, depth)
+            if env.state.done:
+                continue
+            key = env.value_key()
+            assert value_of.setdefault(key, env.exact_value()) == env.exact_value()
+            boards.setdefault(key, set()).add((task.task_id, env.state.path))
+    assert any(len(b) > 1 for b in boards.values())  # some key was met by two routes or tasks
+    env.reset(om.load_tasks(name, "train", limit=1)[0])
+    other = make_env(name)
+    other.reset(om.load_tasks(name, "train", limit=2)[1])
+    assert env.value_key() != other.value_key()  # other numbers, other key
+    assert ReplayEnv(make_env(name)).value_key is not None
+
+
+def test_shared_proofs_pass_wins_on_only_to_solvable_states(trees):
+    from reward_models.labels import exact_labels, q_labels, shared_proofs
+
+    shared, q, exact = shared_proofs(trees), q_labels(trees), exact_labels(trees)
+    promoted = [k for k, v in shared.items() if v == 1.0 and q.get(k) != 1.0]
+    assert promoted  # some step got a win proven at a transposition of its state
+    assert all(exact[k] == 1.0 for k in promoted)  # and every such state can be solved
+    assert all(shared[k] == v for k, v in q.items() if k not in promoted)  # the rest: Q as it was
+
+
+def test_share_proofs_needs_q_labels_and_an_env_with_value_keys(tmp_path, capsys):
+    from omrl_search.cli import main
+
+    run = tmp_path / "run"
+    assert main(["search", "--env", "sokoban", "--split", "test", "--limit", "1", "--policy",
+                 "scripted:oracle:p=0.5", "--strategy", "mcts:simulations=4,k=2", "--out", str(run),
+                 "--no-progress"]) == 0
+    out = tmp_path / "labels"
+    assert main(["label", str(run), "--out", str(out), "--soft", "mc", "--share-proofs"]) == 2
+    assert "needs soft=q" in capsys.readouterr().err
+    assert main(["label", str(run), "--out", str(out), "--soft", "q", "--share-proofs",
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "offers no value_key" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()

@@ -291,21 +291,26 @@ def test_prm_soft_q_labels_the_rounds_mcts_trees_with_their_q_values(tmp_path):
     from train.loop import LoopConfig
     from train.loop_stages import TaskSets, cfg_path, labels_stage, search_stage
 
-    soft = {}
-    for kind in ("mc", "q"):
+    soft, searched = {}, {}
+    for kind in ("mc", "q", "q+share"):
         out = tmp_path / kind
         cfg = LoopConfig(env="game24", policy="scripted:oracle:p=0.5", agent="act", train_limit=3,
-                         dev_limit=5, progress=False, out=str(out), prm_demos=False, prm_soft=kind,
+                         dev_limit=5, progress=False, out=str(out), prm_demos=False,
+                         prm_soft=kind.split("+")[0], prm_share_proofs=kind == "q+share",
                          search_strategy="mcts:priors=policy,solver=true,simulations=12")
         d = cfg_path(cfg, 1, "search")
         d.mkdir(parents=True)
         search_stage(cfg, TaskSets(cfg), 1, cfg.policy, None)(d)
         (out / "labels").mkdir()
         labels_stage(cfg, 1, cfg.policy)(out / "labels")
+        searched[kind] = om.read_results(d / "results.jsonl")
         soft[kind] = sorted(json.dumps([r["completions"], r["soft_labels"]]) for r in load_label_dir(str(out / "labels")))
-    want = label_results(om.read_results(d / "results.jsonl"), rollouts=0, soft="q")
-    assert soft["q"] == sorted(json.dumps([r["completions"], r["soft_labels"]]) for r in want)
+    for kind, share in (("q", False), ("q+share", True)):
+        want = label_results(searched[kind], rollouts=0, soft="q", share_proofs=share)
+        assert soft[kind] == sorted(json.dumps([r["completions"], r["soft_labels"]]) for r in want)
     assert soft["q"] != soft["mc"]  # the Q values are not the leaves' success shares
+    with pytest.raises(ValueError, match="set prm_soft: q"):
+        LoopConfig(env="game24", prm_share_proofs=True, out=str(tmp_path / "x")).check()
 
 
 def test_the_search_stage_records_host_and_dtype(tmp_path):

@@ -58,6 +58,9 @@ class LoopConfig(BaseModel):
     # leaves below it), q (MCTS Q values, solver-proven wins and losses exact: the labels of
     # MCTS trees) or mean (their mean); with prm_settings.loss: pairwise for the pairwise loss
     prm_soft: Literal["mc", "q", "mean"] = "mc"
+    # with prm_soft q: pass each proven win on to every step of the round's trees whose state the
+    # env keys the same (omrl label --share-proofs; envs with Env.value_key: Game24, Countdown)
+    prm_share_proofs: bool = False
     # label the solver demonstrations for the PRM too (all successes, worded unlike the policy:
     # they teach "solver-like = good", which a search over the policy's own steps cannot use)
     prm_demos: bool = True
@@ -145,6 +148,8 @@ class LoopConfig(BaseModel):
             make_strategy(self.best_search)
             if len(parse_budgets(self.best_budget)[1]) != 1:
                 raise ValueError(f"best_budget: one budget, got {self.best_budget!r}")
+        if self.prm_share_proofs and self.prm_soft != "q":
+            raise ValueError("prm_share_proofs passes proven wins between Q labels: set prm_soft: q")
         if self.schedule is not None and not self.schedule:
             raise ValueError("schedule: at least one round's trainers")
         for name in self.first + self.then + sum(self.schedule or [], []) + list(self.trainer_settings):

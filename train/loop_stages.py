@@ -180,7 +180,7 @@ def labels_stage(cfg: "LoopConfig", r: int, model: str):
         policy = make_policy(policy_spec(model)) if cfg.label_rollouts else None
         rows = label_results(results, policy=policy, rollouts=cfg.label_rollouts, seed=cfg.seed + r,
                              sampling=SamplingParams(cfg.temperature, max_tokens=cfg.max_tokens),
-                             soft=cfg.prm_soft)
+                             soft=cfg.prm_soft, share_proofs=cfg.prm_share_proofs)
         if not rows:
             return {"rows": 0, "note": "no finished rollouts to label"}
         write_labels(rows, d)
