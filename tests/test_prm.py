@@ -56,7 +56,8 @@ def test_observations_input_reads_only_what_the_env_showed(prm, tmp_path):
     twin = Episode("Task: something else", ["Act: grab", "Think: ok.\nAct: pick up key"], EP.observations)
     obs = ProcessRewardModel(prm.model, tok, input="observations", prefix_cache=False)
     assert obs.score_episodes([EP])[0] == obs.score_episodes([twin])[0]
-    assert obs.score_episodes([EP])[0] != prm.score_episodes([EP])[0]
+    text = ProcessRewardModel(prm.model, tok, prefix_cache=False)  # (the fixture's cache untouched)
+    assert obs.score_episodes([EP])[0] != text.score_episodes([EP])[0]
     obs.save_pretrained(str(tmp_path / "obs"))  # the input is saved with the model
     loaded = make_reward_model(f"prm:{tmp_path / 'obs'}:device=cpu")
     assert loaded.encoder.input == "observations"
