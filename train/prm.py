@@ -360,6 +360,8 @@ def oracle_labels(files: Sequence[str]) -> str:
 
 # --- the command ------------------------------------------------------------------------------------
 def configure(p: argparse.ArgumentParser) -> None:
+    from reward_models.inputs import INPUTS, READS
+
     p.add_argument("--data", required=True, action="extend", nargs="+",
                    help="label folder(s) written by omrl label, or label files")
     p.add_argument("--base", required=True, help="backbone: an HF folder or smollm2")
@@ -376,8 +378,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                      ("--objective", {"choices": ["process", "outcome"]}),
                      ("--loss", {"choices": ["pointwise", "pairwise"]}),
                      ("--margin", {"type": float}), ("--balance", {"choices": ["none", "weight"]}),
-                     ("--read", {"choices": ["observation", "step"]}),
-                     ("--input", {"choices": ["auto", "segments", "text", "observations"]}),
+                     ("--read", {"choices": list(READS)}), ("--input", {"choices": list(INPUTS)}),
                      ("--device", {}), ("--dtype", {"choices": ["auto", "float32", "bfloat16"]})):
         p.add_argument(flag, default=None, **kw)
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
