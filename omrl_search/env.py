@@ -174,6 +174,26 @@ def offers_exact_value(env: "Env | type[Env]") -> bool:
     return getattr(cls, "exact_value", Env.exact_value) is not Env.exact_value
 
 
+def winning_actions(env: Env) -> list[str]:
+    """The valid actions after which ``env``'s task can still be won — the state each leads to
+    has :meth:`Env.exact_value` 1.0 (a finishing action: its success) — in the order
+    :meth:`Env.valid_actions` lists them, each once. Each action is tried on ``env`` itself and
+    undone by a restore, so ``env`` ends in the state it started in. Needs an env that lists its
+    actions and offers the exact value (:func:`offers_exact_value`)."""
+    if not offers_exact_value(env):
+        raise TypeError(f"env {env.name!r} does not offer exact_value()")
+    snap, out = env.snapshot(), []
+    for action in dict.fromkeys(a for a in env.valid_actions() or [] if a is not None):
+        try:
+            env.step(action)
+            won = env.exact_value() == 1.0
+        finally:
+            env.restore(snap)
+        if won:
+            out.append(action)
+    return out
+
+
 def load_task_file(path: str | Path, parse: Callable[[dict[str, Any]], Task]) -> list[Task]:
     """Read a JSONL task file, validating every line before returning any task."""
     from .textfile import read_utf8

@@ -19,7 +19,8 @@ import omrl_search as om
 from envs._arith_lang import spell
 from envs.arith import fmt, read_action, solve
 from omrl_search.backends.scripted import OraclePolicy
-from omrl_search.env import env_class, list_envs, make_env
+from omrl_search.env import env_class, list_envs, make_env, winning_actions
+from omrl_search.policy import PolicyError, make_policy
 from omrl_search.exports import openmanus_rows, sft_rows
 
 
@@ -135,6 +136,63 @@ def test_oracle_falls_back_without_explain():
         pass
 
     assert OraclePolicy.reason(Plain(), "up", random.Random(0)) == "Following the plan."
+
+
+# --- expert=any: every winning action, one drawn -------------------------------------------------
+def test_winning_actions_are_the_moves_that_keep_the_task_solvable():
+    env, rng = make_env("countdown"), random.Random(3)
+    sizes = set()
+    for task in om.load_tasks("countdown", "test", limit=12):
+        env.reset(task)
+        while not env.state.done:
+            before = env.state
+            won = winning_actions(env)
+            assert env.state == before  # every try undone
+            for action in dict.fromkeys(env.valid_actions()):
+                snap = env.snapshot()
+                env.step(action)
+                assert (action in won) == (env.exact_value() == 1.0), (before, action)
+                env.restore(snap)
+            assert env.expert_action() in won  # the solver's move is one of them
+            sizes.add(len(won))
+            env.step(won[rng.randrange(len(won))])
+        assert env.state.success  # any winning move keeps a way to the target
+    assert max(sizes) > 1  # states with several ways on were met
+    sokoban = make_env("sokoban")
+    with pytest.raises(TypeError, match="exact_value"):
+        winning_actions(sokoban)
+    env.close()
+    sokoban.close()
+
+
+def test_oracle_expert_any_draws_among_the_winning_actions():
+    tasks = om.load_tasks("game24", "test", limit=8)
+    solver = om.search_many(tasks, strategy="react", policy="scripted:oracle:p=0", agent="act")
+    spec = "scripted:oracle:p=0,expert=any"
+    anyone = om.search_many(tasks, strategy="react", policy=spec, agent="act")
+    assert all(r.success for r in solver) and all(r.success for r in anyone)
+    actions = lambda rs: [[n.step.action for n in r.tree.nodes if n.step] for r in rs]  # noqa: E731
+    assert actions(anyone) != actions(solver)  # other ways than the solver's first move
+    assert actions(om.search_many(tasks, strategy="react", policy=spec, agent="act")) == actions(anyone)
+    # the probability it gives each action: uniform over the winning ones, 0 elsewhere
+    policy, env = make_policy(spec), make_env("game24")
+    env.reset(tasks[0])
+    won = winning_actions(env)
+    assert len(won) > 1
+    probs = {a: policy.action_prob(env, a) for a in env.valid_actions()}
+    assert probs == {a: (1 / len(won) if a in won else 0.0) for a in env.valid_actions()}
+    assert OraclePolicy().action_prob(env, env.expert_action()) == 1.0  # the solver's alone
+    with pytest.raises(PolicyError, match="expert must be one of solver, any"):
+        make_policy("scripted:oracle:expert=best")
+    sokoban = om.load_tasks("sokoban", "test", limit=1)
+    with pytest.raises(PolicyError, match="expert=any: env 'sokoban' does not offer exact_value"):
+        make_policy(spec).action_prob(_reset(make_env("sokoban"), sokoban[0]), "up")
+    env.close()
+
+
+def _reset(env, task):
+    env.reset(task)
+    return env
 
 
 def test_oracle_demos_round_trip_through_openmanus(tmp_path):

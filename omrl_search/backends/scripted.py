@@ -3,7 +3,11 @@
 * ``scripted:oracle:p=0.3`` follows the env's expert solver and, with probability ``p``, takes a
   different valid action instead (or writes a malformed completion when ``malformed=q``); its
   thought for the expert's action is the env's ``explain`` of it (why the move), when the env
-  has one, and "Trying another step." for the other actions;
+  has one, and "Trying another step." for the other actions. ``expert=any`` makes every
+  winning action an expert one (:func:`omrl_search.env.winning_actions`: the valid actions
+  after which the task can still be won, on an env with ``exact_value``), one drawn uniformly,
+  instead of the solver's first move: demonstrations that show the many ways on, not one
+  fixed choice among them;
 * ``scripted:random`` picks uniformly among the valid actions.
 
 They read the state from the request's snapshot, restored into their own env instance, so they
@@ -20,7 +24,7 @@ import math
 import random
 from typing import Any
 
-from ..env import Env, make_env
+from ..env import Env, make_env, winning_actions
 from ..policy import ByteChatTokenizer, Policy, PolicyError, register_policy
 from ..specs import SpecError, parse_kv
 from ..types import GenRequest, Generation
@@ -119,36 +123,54 @@ class ScriptedPolicy(Policy):
 
 
 class OraclePolicy(ScriptedPolicy):
-    """The expert solver's action, wrong with probability ``p``."""
+    """The expert's action (the solver's first move; with ``expert="any"`` one drawn uniformly
+    among the winning actions), another valid action with probability ``p``."""
 
-    def __init__(self, p: float = 0.0, malformed: float = 0.0):
+    EXPERTS = ("solver", "any")
+
+    def __init__(self, p: float = 0.0, malformed: float = 0.0, expert: str = "solver"):
         super().__init__()
         if not 0.0 <= p <= 1.0 or not 0.0 <= malformed <= 1.0:
             raise PolicyError(f"scripted:oracle needs 0 <= p, malformed <= 1 (got p={p}, malformed={malformed})")
-        self.p, self.malformed = p, malformed
-        self.name = f"scripted:oracle:p={p}"
+        if expert not in self.EXPERTS:
+            raise PolicyError(f"scripted:oracle: expert must be one of {', '.join(self.EXPERTS)}, "
+                              f"got {expert!r}")
+        self.p, self.malformed, self.expert = p, malformed, expert
+        self.name = f"scripted:oracle:p={p}" + ("" if expert == "solver" else f",expert={expert}")
+
+    def experts(self, env: Env) -> list[str]:
+        """The actions the oracle follows in ``env``'s state (empty: none known)."""
+        if self.expert == "any":
+            try:
+                return winning_actions(env)
+            except TypeError as exc:
+                raise PolicyError(f"scripted:oracle:expert=any: {exc}") from None
+        action = env.expert_action()
+        return [] if action is None else [action]
 
     def choose(self, env, rng, meta):
         if self.malformed and rng.random() < self.malformed:
             return "I am not sure what to do.", self.malformed
-        expert = env.expert_action()
-        others = [a for a in (env.valid_actions() or []) if a != expert]
-        if expert is None or (others and rng.random() < self.p):
+        experts = self.experts(env)
+        others = [a for a in (env.valid_actions() or []) if a not in experts]
+        if not experts or (others and rng.random() < self.p):
             if not others:
                 return self.completion("No idea, trying anything.", "noop"), 1.0
             action = others[rng.randrange(len(others))]
             return self.completion("Trying another step.", action), self.p / len(others)
-        prob = (1 - self.p) if others else 1.0
+        # one expert (the solver's): no draw, so its searches replay as before this option
+        expert = experts[0] if len(experts) == 1 else experts[rng.randrange(len(experts))]
+        prob = ((1 - self.p) if others else 1.0) / len(experts)
         return self.completion(self.reason(env, expert, rng), expert), prob
 
     def action_prob(self, env, action):
-        expert = env.expert_action()
+        experts = self.experts(env)
         valid = list(dict.fromkeys(env.valid_actions() or []))
-        others = [a for a in valid if a != expert]
-        if expert is None:
+        others = [a for a in valid if a not in experts]
+        if not experts:
             prob = 1.0 / len(others) if action in others else 0.0
-        elif action == expert:
-            prob = (1 - self.p) if others else 1.0
+        elif action in experts:
+            prob = ((1 - self.p) if others else 1.0) / len(experts)
         else:
             prob = self.p / len(others) if action in others else 0.0
         return (1 - self.malformed) * prob
@@ -187,10 +209,11 @@ def _scripted(arg: str) -> Policy:
     except SpecError as exc:
         raise PolicyError(str(exc)) from None
     if kind == "oracle":
-        unknown = set(opts) - {"p", "malformed"}
+        unknown = set(opts) - {"p", "malformed", "expert"}
         if unknown:
             raise PolicyError(f"scripted:oracle: unknown option(s) {', '.join(sorted(unknown))}")
-        return OraclePolicy(float(opts.get("p", 0.0)), float(opts.get("malformed", 0.0)))
+        return OraclePolicy(float(opts.get("p", 0.0)), float(opts.get("malformed", 0.0)),
+                            str(opts.get("expert", "solver")))
     if kind == "random" and not opts:
         return RandomPolicy()
-    raise PolicyError(f"unknown scripted policy {arg!r} (known: scripted:oracle[:p=P], scripted:random)")
+    raise PolicyError(f"unknown scripted policy {arg!r} (known: scripted:oracle[:p=P,expert=solver|any], scripted:random)")
