@@ -24,7 +24,7 @@ import math
 import random
 from typing import Any
 
-from ..env import Env, make_env, winning_actions
+from ..env import Env, make_env, offers_exact_value, winning_actions
 from ..policy import ByteChatTokenizer, Policy, PolicyError, register_policy
 from ..specs import SpecError, parse_kv
 from ..types import GenRequest, Generation
@@ -141,10 +141,10 @@ class OraclePolicy(ScriptedPolicy):
     def experts(self, env: Env) -> list[str]:
         """The actions the oracle follows in ``env``'s state (empty: none known)."""
         if self.expert == "any":
-            try:
-                return winning_actions(env)
-            except TypeError as exc:
-                raise PolicyError(f"scripted:oracle:expert=any: {exc}") from None
+            if not offers_exact_value(env):
+                raise PolicyError(f"scripted:oracle:expert=any: env {env.name!r} does not offer "
+                                  "exact_value(), so its winning actions are unknown")
+            return winning_actions(env)
         action = env.expert_action()
         return [] if action is None else [action]
 
