@@ -298,7 +298,7 @@ def test_llamacpp_gbnf_and_xgrammar_masks_are_equal(llama) -> None:
     sampler allows are exactly xgrammar's."""
     import numpy as np
 
-    from omrl_search.backends._llamacpp_grammar import GBNFEngine, XGrammarEngine
+    from omrl_search.backends.llamacpp_grammar import GBNFEngine, XGrammarEngine
 
     ll, tok = llama._ll, llama.tokenizer
     eos = sorted(tok.eos_token_ids)

@@ -32,7 +32,7 @@ How it runs:
   sampled from, and its logprob is the ``log_softmax`` of, the masked distribution:
   ``grammar_engine=gbnf`` uses llama.cpp's own GBNF sampler, ``xgrammar`` the token bitmask
   the ``hf`` backend uses; ``auto`` (default) picks xgrammar when it is installed, being
-  far cheaper per step (see :mod:`~omrl_search.backends._llamacpp_grammar` and
+  far cheaper per step (see :mod:`~omrl_search.backends.llamacpp_grammar` and
   ``benchmarks/constrained_decoding.py``).
 
 The tokenizer is llama.cpp's own (``parse_special`` so chat markers become their ids, no BOS
@@ -267,7 +267,7 @@ class LlamaCppPolicy(ChunkedDecoder, Policy):
     # --- structured decoding ------------------------------------------------------------
     def _grammar_engine(self) -> Any:
         if self._grammar is None:
-            from . import _llamacpp_grammar as lg
+            from . import llamacpp_grammar as lg
 
             engine = self.grammar_engine
             if engine == "auto":
