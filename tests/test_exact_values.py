@@ -14,6 +14,17 @@ from omrl_search.tree import SearchTree
 from omrl_search.types import Step
 
 
+def _searched(tmp_path, env: str, split: str, limit: int, strategy: str):
+    """``omrl search`` with the half-wrong oracle into ``tmp_path/run``; the run folder."""
+    from omrl_search.cli import main
+
+    run = tmp_path / "run"
+    assert main(["search", "--env", env, "--split", split, "--limit", str(limit), "--policy",
+                 "scripted:oracle:p=0.5", "--strategy", strategy, "--out", str(run),
+                 "--no-progress"]) == 0
+    return run
+
+
 def _random_walk(env, rng, steps):
     for _ in range(steps):
         acts = env.valid_actions()
@@ -86,10 +97,7 @@ def test_exact_labels_are_solvability_after_each_step(trees):
 def test_exact_labels_refuse_an_env_without_the_capability(tmp_path, capsys):
     from omrl_search.cli import main
 
-    run = tmp_path / "run"
-    assert main(["search", "--env", "sokoban", "--split", "test", "--limit", "1", "--policy",
-                 "scripted:oracle:p=0.5", "--strategy", "react", "--out", str(run),
-                 "--no-progress"]) == 0
+    run = _searched(tmp_path, "sokoban", "test", 1, "react")
     out = tmp_path / "labels"
     assert main(["label", str(run), "--out", str(out), "--soft", "exact"]) == 2
     err = capsys.readouterr().err
@@ -102,10 +110,7 @@ def test_exact_label_command_marks_the_oracle(tmp_path, capsys):
 
     from omrl_search.cli import main
 
-    run = tmp_path / "run"
-    assert main(["search", "--env", "countdown", "--split", "test", "--limit", "2", "--policy",
-                 "scripted:oracle:p=0.5", "--strategy", "beam:width=2,k=2", "--out", str(run),
-                 "--no-progress"]) == 0
+    run = _searched(tmp_path, "countdown", "test", 2, "beam:width=2,k=2")
     out = tmp_path / "labels"
     assert main(["label", str(run), "--out", str(out), "--soft", "exact", "--no-progress"]) == 0
     assert "ceiling experiment" in capsys.readouterr().err
@@ -211,10 +216,7 @@ def test_a_prm_trained_on_exact_labels_is_marked_a_ceiling(tmp_path, tiny_hf_mod
 
     from omrl_search.cli import main
 
-    run = tmp_path / "run"
-    assert main(["search", "--env", "game24", "--split", "train", "--limit", "8", "--policy",
-                 "scripted:oracle:p=0.5", "--strategy", "beam:width=2,k=2", "--out", str(run),
-                 "--no-progress"]) == 0
+    run = _searched(tmp_path, "game24", "train", 8, "beam:width=2,k=2")
     labels = tmp_path / "labels"
     assert main(["label", str(run), "--out", str(labels), "--soft", "exact", "--no-progress"]) == 0
     out = tmp_path / "prm"
@@ -346,10 +348,7 @@ def test_shared_proofs_pass_wins_on_only_to_solvable_states(trees):
 def test_share_proofs_needs_q_labels_and_an_env_with_value_keys(tmp_path, capsys):
     from omrl_search.cli import main
 
-    run = tmp_path / "run"
-    assert main(["search", "--env", "sokoban", "--split", "test", "--limit", "1", "--policy",
-                 "scripted:oracle:p=0.5", "--strategy", "mcts:simulations=4,k=2", "--out", str(run),
-                 "--no-progress"]) == 0
+    run = _searched(tmp_path, "sokoban", "test", 1, "mcts:simulations=4,k=2")
     out = tmp_path / "labels"
     assert main(["label", str(run), "--out", str(out), "--soft", "mc", "--share-proofs"]) == 2
     assert "needs soft=q" in capsys.readouterr().err
