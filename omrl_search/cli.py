@@ -125,8 +125,10 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
                         "has one, else the Think/Act frame; recorded when a backend cannot), actions, "
                         "format or none (default auto)")
     p.add_argument("--agent", choices=sorted(AGENT_FORMATS), default="react",
-                   help="agent format: react ('Think:' line then 'Act:') or act (the 'Act:' line "
-                        "alone: no free-text thought, for small untrained models; default react)")
+                   help="agent format: react ('Think:' line then 'Act:'), act (the 'Act:' line "
+                        "alone: no free-text thought, for small untrained models) or terse (the "
+                        "action alone after a prompt of the task and observation only, for trained "
+                        "policies searched at a token budget; default react)")
     add_executor_args(p)
     p.add_argument("--no-progress", action="store_true")
 

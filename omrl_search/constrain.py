@@ -132,7 +132,8 @@ class Grammar:
     def text(self) -> str:
         """The whole grammar (root rule first), in the GBNF / xgrammar-EBNF common subset."""
         head = f"{literal(self.think)} omrl-thought " if self.think is not None else ""
-        lines = [f"root ::= {head}{literal(self.act)} action"]
+        act = f"{literal(self.act)} " if self.act else ""  # no literal: the action alone
+        lines = [f"root ::= {head}{act}action"]
         if self.think is not None:
             lines.append("omrl-thought ::= [^\\n]*")
         lines.append(self.rules.strip())

@@ -173,3 +173,81 @@ def test_an_act_search_is_exported_and_rendered_in_the_act_format(tmp_path):
             msgs = row.get("messages") or row.get("prompt") or row.get("chosen")
             assert msgs[0]["content"] == act_system
     assert sft_rows(react)[0]["messages"][0]["content"] != act_system
+
+
+def test_terse_format_writes_the_action_alone_after_a_short_first_prompt():
+    """``terse``: the completion is the action (an ``Act:`` line is still read), the first
+    prompt is the task and the observation without the env's action help (which a malformed
+    step's error still gives), and its grammar is the action language with no frame."""
+    from omrl_search.agent import ActFormat, TerseFormat, make_format
+    from omrl_search.constrain import check
+    from omrl_search.env import make_env
+
+    fmt = make_format("terse")
+    assert isinstance(fmt, TerseFormat) and fmt.think is None and fmt.act == ""
+    assert fmt.render("ignored", "4 * 6") == "4 * 6"
+    for text in ("4 * 6", " `4 * 6` \nmore", "Act: 4 * 6", "Think: x\nAct: 4 * 6"):
+        assert (fmt.parse(text).action, fmt.parse(text).error) == ("4 * 6", ""), text
+    bad = fmt.parse("  \n", action_help="Actions: a op b")
+    assert bad.action == "" and "the action alone" in bad.error and "Actions: a op b" in bad.error
+    g = fmt.grammar("actions", ["4 * 6", "4 + 6"])
+    assert g.text.startswith("root ::= action\n")
+    assert check(g, "4 + 6") == "ok" and check(g, "Act: 4 + 6") == "violated"
+    assert check(fmt.grammar("format"), "anything on one line") == "ok"
+
+    env = make_env("game24")
+    task = env.tasks("test")[0]
+    obs = env.reset(task)
+    terse, act = fmt.first_messages(env, task, obs), ActFormat().first_messages(env, task, obs)
+    assert terse[1]["content"] == f"Task: {task.instruction}\nObservation: {obs}"
+    assert env.action_help in act[1]["content"] and env.action_help not in terse[1]["content"]
+    assert sum(len(m["content"]) for m in terse) < sum(len(m["content"]) for m in act) / 2
+    assert fmt.first_messages(env, task, obs, "a note")[1]["content"].endswith("\n\na note")
+
+
+def test_a_terse_search_is_exported_in_the_terse_format(tmp_path):
+    """Scripted demonstrations under ``agent=terse`` write the action alone, the format survives
+    results.jsonl, and SFT rows carry the terse system text and bare actions."""
+    import omrl_search as om
+    from omrl_search.agent import TerseFormat
+    from omrl_search.exports import sft_rows
+    from omrl_search.result import SearchResult
+
+    tasks = om.load_tasks("game24", "train", limit=3)
+    results = om.search_many(tasks, strategy="react", policy="scripted:oracle", agent="terse")
+    assert all(r.success for r in results)
+    for r in results:
+        for s in r.trajectories[0].steps:
+            assert s.completion == s.action and "Act" not in s.completion
+    back = [SearchResult.from_json(r.to_json()) for r in results]
+    assert [r.tree.agent for r in back] == ["terse"] * 3
+    rows = sft_rows(back)
+    assert rows and all(row["messages"][0]["content"] == TerseFormat().system for row in rows)
+    steps = [m["content"] for row in rows for m in row["messages"] if m["role"] == "assistant"]
+    assert steps == [s.action for r in results for s in r.trajectories[0].steps]
+
+
+def test_a_terse_search_under_the_actions_grammar_with_a_real_hf_model(tiny_hf_model):
+    """A tiny random hf model searched under ``terse`` with ``constrain=actions``: every
+    completion is the action alone, in the env's action language at its node (its recorded
+    grammar, which has no frame), and a move the env takes."""
+    import omrl_search as om
+    from omrl_search.backends.hf import HFPolicy
+    from omrl_search.constrain import Grammar, check
+    from omrl_search.types import SamplingParams
+
+    policy = HFPolicy(tiny_hf_model, device="cpu", dtype="float32", max_batch=8)
+    results = om.search_many(om.load_tasks("countdown", "train", 2), strategy="best_of_n:n=2",
+                             policy=policy, agent="terse", constrain="actions", max_depth=2,
+                             sampling=SamplingParams(temperature=1.0, max_tokens=16), seed=0)
+    checked = 0
+    for r in results:
+        assert r.constraint["actions"] == r.constraint["generations"] > 0 and not r.faults
+        for node in r.tree.nodes[1:]:
+            grammar = Grammar.from_record(node.step.grammar)
+            assert (grammar.kind, grammar.act, grammar.think) == ("actions", "", None)
+            assert node.step.completion.strip() == node.step.action
+            assert check(grammar, node.step.completion) == "ok"
+            assert "Numbers left" in node.observation and "nvalid" not in node.observation
+            checked += 1
+    assert checked >= 4

@@ -36,7 +36,8 @@ class LoopConfig(BaseModel):
     max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1)  # per step, in every search (configs set 16)
     temperature: float = Field(1.0, ge=0)
     # the agent format of every search, eval and demonstration (omrl_search.agent): react
-    # (Think line, then Act) or act (the Act line alone: a few tokens a step)
+    # (Think line, then Act), act (the Act line alone: a few tokens a step) or terse (the action
+    # alone after a prompt of the task and observation only)
     agent: AgentName = "react"
     # search on the train split (without the dev slice's puzzles)
     train_limit: int = Field(64, ge=1)
