@@ -252,17 +252,18 @@ def test_rs_sft_dpo_and_grpo_stages_train_on_the_rounds_exports(tiny_agent_model
             assert "groups_flat" in (d / "model" / "metrics.jsonl").read_text()
 
 
-def test_agent_act_reaches_the_loops_searches_demonstrations_and_evals(tmp_path):
-    """``agent: act``: the round's search, its solver demonstrations and the evals all run in
-    the act format (trees record it, steps are Act lines alone), so what is trained on is what
-    is evaluated."""
+@pytest.mark.parametrize("agent", ["act", "terse"])
+def test_the_agent_format_reaches_the_loops_searches_demonstrations_and_evals(tmp_path, agent):
+    """``agent: act`` (or ``terse``): the round's search, its solver demonstrations and the
+    evals all run in that format (trees record it, steps are Act lines alone, or the action
+    alone), so what is trained on is what is evaluated."""
     import json
 
     import omrl_search as om
     from train.loop import LoopConfig
     from train.loop_stages import TaskSets, bench_tasks, search_stage
 
-    cfg = LoopConfig(env="countdown", policy="scripted:oracle:p=0.3", agent="act", train_limit=2,
+    cfg = LoopConfig(env="countdown", policy="scripted:oracle:p=0.3", agent=agent, train_limit=2,
                      expert_demos=2, dev_limit=5, prm=False, progress=False, out=str(tmp_path),
                      search_strategy="best_of_n:n=2")
     sets = TaskSets(cfg)
@@ -271,12 +272,14 @@ def test_agent_act_reaches_the_loops_searches_demonstrations_and_evals(tmp_path)
     search_stage(cfg, sets, 1, cfg.policy, None)(d)
     for name in ("results.jsonl", "demos.jsonl"):
         results = list(om.read_results(d / name))
-        assert len(results) == 2 and all(r.tree.agent == "act" for r in results)
-        assert all(s.completion.startswith("Act: ") for r in results for t in r.trajectories for s in t.steps)
+        assert len(results) == 2 and all(r.tree.agent == agent for r in results)
+        steps = [s for r in results for t in r.trajectories for s in t.steps]
+        assert steps and all(s.completion == (f"Act: {s.action}" if agent == "act" else s.action)
+                             for s in steps)
     e = tmp_path / "dev"
     rows = bench_tasks(cfg, sets.dev[:2], "react", "tokens=2000", cfg.policy, None, e)
     assert rows["react"]
-    assert json.loads((e / "summary.json").read_text())["config"]["agent"] == "act"
+    assert json.loads((e / "summary.json").read_text())["config"]["agent"] == agent
 
 
 def test_prm_soft_q_labels_the_rounds_mcts_trees_with_their_q_values(tmp_path):
@@ -318,7 +321,7 @@ def test_the_search_stage_records_host_and_dtype(tmp_path):
     from train.loop import LoopConfig
     from train.loop_stages import TaskSets, search_stage
 
-    cfg = LoopConfig(env="countdown", policy="scripted:oracle:p=0.3", agent="act", train_limit=2,
+    cfg = LoopConfig(env="countdown", policy="scripted:oracle:p=0.3", agent=agent, train_limit=2,
                      dev_limit=5, prm=False, progress=False, out=str(tmp_path), search_strategy="best_of_n:n=2")
     info = search_stage(cfg, TaskSets(cfg), 1, cfg.policy, None)(tmp_path)
     assert info["host"] == host_info() and info["dtype"] is None
@@ -334,7 +337,7 @@ def test_prm_demos_false_labels_the_search_trees_without_the_solver_demonstratio
     counts = {}
     for demos in (True, False):
         out = tmp_path / str(demos)
-        cfg = LoopConfig(env="countdown", policy="scripted:oracle:p=0.3", agent="act", train_limit=2,
+        cfg = LoopConfig(env="countdown", policy="scripted:oracle:p=0.3", agent=agent, train_limit=2,
                          expert_demos=3, dev_limit=5, progress=False, out=str(out),
                          search_strategy="best_of_n:n=2", prm_demos=demos)
         d = cfg_path(cfg, 1, "search")
