@@ -321,7 +321,7 @@ def test_the_search_stage_records_host_and_dtype(tmp_path):
     from train.loop import LoopConfig
     from train.loop_stages import TaskSets, search_stage
 
-    cfg = LoopConfig(env="countdown", policy="scripted:oracle:p=0.3", agent=agent, train_limit=2,
+    cfg = LoopConfig(env="countdown", policy="scripted:oracle:p=0.3", agent="act", train_limit=2,
                      dev_limit=5, prm=False, progress=False, out=str(tmp_path), search_strategy="best_of_n:n=2")
     info = search_stage(cfg, TaskSets(cfg), 1, cfg.policy, None)(tmp_path)
     assert info["host"] == host_info() and info["dtype"] is None
@@ -337,7 +337,7 @@ def test_prm_demos_false_labels_the_search_trees_without_the_solver_demonstratio
     counts = {}
     for demos in (True, False):
         out = tmp_path / str(demos)
-        cfg = LoopConfig(env="countdown", policy="scripted:oracle:p=0.3", agent=agent, train_limit=2,
+        cfg = LoopConfig(env="countdown", policy="scripted:oracle:p=0.3", agent="act", train_limit=2,
                          expert_demos=3, dev_limit=5, progress=False, out=str(out),
                          search_strategy="best_of_n:n=2", prm_demos=demos)
         d = cfg_path(cfg, 1, "search")
