@@ -57,7 +57,8 @@ def search_many(tasks: Sequence[Task], *, strategy: "str | Strategy" = "react",
     ``policy_weights=(version, state_dict)`` (Ray only): the actors' ``hf:`` policy searches with
     these weights (pushed once per version; online GRPO sends its live weights every round).
     ``agent``: the agent format (``react``: a ``Think:`` line then ``Act:``; ``act``: the
-    ``Act:`` line alone, see :mod:`omrl_search.agent`).
+    ``Act:`` line alone; ``terse``: the action alone after a prompt of the task and observation
+    only; see :mod:`omrl_search.agent`).
     ``constrain`` (``auto`` | ``actions`` | ``format`` | ``none``): the grammar each step is
     generated under (docs/design.md §4: the env's action language where it has one under
     ``auto``); each result records what was in force. ``lm_timeout``: seconds one LM call may
