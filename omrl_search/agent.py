@@ -189,7 +189,8 @@ def check_agent_name(name: str) -> str:
 
 
 def make_format(name: "str | ReActFormat | None") -> ReActFormat:
-    """The agent format named ``name`` (``react`` | ``act`` | ``terse``), or ``name`` itself if already one."""
+    """The agent format named ``name`` (``react`` | ``act`` | ``terse``), or ``name`` itself if
+    already one."""
     if name is None:
         return ReActFormat()
     if isinstance(name, ReActFormat):
