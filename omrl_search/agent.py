@@ -49,6 +49,9 @@ class ReActFormat:
     #: as :meth:`render` writes them: what a constrained completion is made to look like
     think: str | None = "Think: "
     act: str = "\nAct: "
+    #: the first prompt shows the env's action help and example turn; what separates its parts
+    shows_help: bool = True
+    joiner: str = "\n\n"
 
     def __init__(self, system: str | None = None):
         self.system = system or (
@@ -64,17 +67,17 @@ class ReActFormat:
 
     def first_messages(self, env: object, task: Task, observation: str,
                        note: str = "") -> list[dict[str, str]]:
-        """System and first user turn: task instruction, action syntax, example, observation."""
+        """System and first user turn: task instruction, action syntax and example (when the
+        format :attr:`shows_help`), observation, then ``note`` after a blank line."""
         parts = [f"Task: {task.instruction}".strip()]
-        if getattr(env, "action_help", ""):
+        if self.shows_help and getattr(env, "action_help", ""):
             parts.append(env.action_help)
-        if getattr(env, "examples", ""):
+        if self.shows_help and getattr(env, "examples", ""):
             parts.append(f"Example turn:\n{env.examples}")
         parts.append(f"Observation: {observation}")
-        if note:
-            parts.append(note)
+        text = self.joiner.join(parts)
         return [{"role": "system", "content": self.system},
-                {"role": "user", "content": "\n\n".join(parts)}]
+                {"role": "user", "content": f"{text}\n\n{note}" if note else text}]
 
     def observation_message(self, observation: str, note: str = "") -> dict[str, str]:
         text = f"Observation: {observation}"
@@ -154,21 +157,16 @@ class TerseFormat(ActFormat):
 
     name = "terse"
     act = ""
+    shows_help = False
+    joiner = "\n"
     answer_with = "Answer with the action alone, on one line."
 
     def __init__(self, system: str | None = None):
         super().__init__(system or "Answer each observation with one action.")
 
-    def first_messages(self, env: object, task: Task, observation: str,
-                       note: str = "") -> list[dict[str, str]]:
-        text = f"Task: {task.instruction}".strip() + f"\nObservation: {observation}"
-        return [{"role": "system", "content": self.system},
-                {"role": "user", "content": f"{text}\n\n{note}" if note else text}]
-
     def parse(self, completion: str, action_help: str = "") -> Parsed:
         text = completion.strip()
-        act = _ACT.search(text)
-        if act is not None:
+        if _ACT.search(text) is not None:
             return super().parse(text, action_help)
         action = text.split("\n", 1)[0].strip().strip("`").strip()
         if not action:

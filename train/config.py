@@ -20,7 +20,8 @@ class TrainError(Exception):
     """A bad config, data file or checkpoint; printed as one line by ``omrl train``."""
 
 
-#: a config field naming an agent format of :data:`omrl_search.agent.AGENT_FORMATS` (react, act, terse)
+#: a config field naming an agent format of :data:`omrl_search.agent.AGENT_FORMATS` (react, act,
+#: terse)
 AgentName = Annotated[str, AfterValidator(check_agent_name)]
 
 
