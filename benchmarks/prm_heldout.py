@@ -22,6 +22,9 @@ all of 200 tasks' trees on 2 cores); ``--predictions FILE`` writes each scored s
 the difference with a 95% bootstrap interval and p-value, whole tasks resampled (steps of one
 task share prefixes and an outcome, so they are not independent draws).
 
+``--dtype bfloat16`` scores in bf16 rather than float32: 3-8x faster on a CPU with native bf16
+(AMX / AVX512-BF16), scores that differ from float32's in the second or third decimal.
+
 ``--mc-vs-exact`` (no PRM) scores the Monte-Carlo labels themselves against the exact ones on the
 same steps: how much of a PRM's shortfall the MC labels alone would explain.
 
@@ -83,6 +86,9 @@ def main() -> None:
     ap.add_argument("--tasks", type=int, metavar="N",
                     help="score the trees of the first N task ids (sorted) only")
     ap.add_argument("--predictions", metavar="FILE", help="write each scored step (JSONL) to FILE")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="what the PRM computes in (default float32; bfloat16 is 3-8x faster on a "
+                         "CPU with native bf16, scores differ in the second or third decimal)")
     ap.add_argument("--compare", nargs=2, metavar=("A", "B"),
                     help="no scoring: two --predictions files, B's AUC against A's on shared steps")
     args = ap.parse_args()
@@ -111,21 +117,23 @@ def main() -> None:
         ap.error("--tasks takes a positive number")
     if args.mc_vs_exact == bool(args.prm):
         ap.error("give --prm FOLDER or --mc-vs-exact (one of them)")
-    if args.mc_vs_exact and (args.tasks or args.predictions):
-        ap.error("--tasks and --predictions go with --prm")
+    if args.mc_vs_exact and (args.tasks or args.predictions or args.dtype != "float32"):
+        ap.error("--tasks, --predictions and --dtype go with --prm")
     missing = [f for f in args.results if not Path(f).is_file()]
     if missing:  # e.g. an unexpanded glob: one line, exit 2
         ap.error(f"no such results file: {missing[0]}")
     try:
         out = (mc_vs_exact(args.results) if args.mc_vs_exact
                else heldout(args.prm, args.results, labels=args.labels, tasks=args.tasks,
-                            predictions=args.predictions))
+                            predictions=args.predictions, dtype=args.dtype))
     except ValueError as exc:  # e.g. an env without exact values: one line, exit 2
         print(f"prm_heldout: error: {exc}", file=sys.stderr)
         sys.exit(2)
     if out is None:
         sys.exit("prm_heldout: no labelled step in the results given")
     out["labels"] = "mc-vs-exact" if args.mc_vs_exact else args.labels
+    if args.prm:
+        out["dtype"] = args.dtype
     for part in ("all", "before_end"):
         if part in out:
             m = out[part]

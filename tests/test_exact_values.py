@@ -357,3 +357,41 @@ def test_share_proofs_needs_q_labels_and_an_env_with_value_keys(tmp_path, capsys
     err = capsys.readouterr().err
     assert "offers no value_key" in err and len(err.strip().splitlines()) == 1
     assert not out.exists()
+
+
+def test_heldout_scores_a_saved_prm_in_bfloat16(tmp_path, tiny_hf_model):
+    """``prm_heldout.py --dtype bfloat16``: the saved PRM is loaded in bf16 and scores the same
+    steps as in float32, each score within bf16's rounding of the float32 one; ``--dtype`` with
+    an implicit PRM or with ``--mc-vs-exact`` is one error."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    torch = pytest.importorskip("torch")
+    from reward_models.prm import ProcessRewardModel
+    from train.loop_prm import heldout, load_scorer
+
+    ProcessRewardModel.from_base(tiny_hf_model, device="cpu", dtype="float32",
+                                 seed=1).save_pretrained(str(tmp_path / "prm"))
+    assert next(load_scorer(tmp_path / "prm", "bfloat16").model.parameters()).dtype == torch.bfloat16
+    results = om.search_many(om.load_tasks("game24", "test", 3), strategy="best_of_n:n=2",
+                             policy="scripted:oracle:p=0.5", seed=0)
+    f = tmp_path / "results.jsonl"
+    om.write_results(f, results)
+    scores = {}
+    for dtype in ("float32", "bfloat16"):
+        out = heldout(tmp_path / "prm", [f], labels="exact", predictions=tmp_path / f"{dtype}.jsonl",
+                      dtype=dtype)
+        assert out["all"]["steps"] > 0
+        lines = [json.loads(x) for x in (tmp_path / f"{dtype}.jsonl").read_text().splitlines()]
+        scores[dtype] = {(d["task_id"], d["path"]): d["score"] for d in lines}
+    assert scores["float32"].keys() == scores["bfloat16"].keys()
+    diffs = [abs(scores["float32"][k] - scores["bfloat16"][k]) for k in scores["float32"]]
+    assert max(diffs) < 0.05 and sum(diffs) / len(diffs) < 0.02
+    with pytest.raises(ValueError, match="not an implicit"):
+        load_scorer("implicit:unused", "bfloat16")
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "benchmarks/prm_heldout.py"), "--mc-vs-exact",
+                           "--dtype", "bfloat16", str(f)], capture_output=True, text=True)
+    assert done.returncode == 2 and "--dtype go with --prm" in done.stderr.strip().splitlines()[-1]
