@@ -47,7 +47,7 @@ def reliability(preds: Sequence[float], labels: Sequence[float], bins: int = BIN
 
 def load_scorer(model_dir: str | Path, dtype: str = "float32") -> Any:
     """The PRM saved in ``model_dir`` (on CPU, in ``dtype``: float32 by default, the figures'
-    reference; bfloat16 is 3-8x faster on a CPU with native bf16), or the reward model an
+    reference; bfloat16 is faster on a CPU with native bf16), or the reward model an
     ``implicit:...`` spec names (PRIME's implicit PRM, :mod:`reward_models.implicit`)."""
     if str(model_dir).startswith("implicit:"):
         if dtype != "float32":
