@@ -395,3 +395,6 @@ def test_heldout_scores_a_saved_prm_in_bfloat16(tmp_path, tiny_hf_model):
     done = subprocess.run([sys.executable, str(root / "benchmarks/prm_heldout.py"), "--mc-vs-exact",
                            "--dtype", "bfloat16", str(f)], capture_output=True, text=True)
     assert done.returncode == 2 and "--dtype go with --prm" in done.stderr.strip().splitlines()[-1]
+    done = subprocess.run([sys.executable, str(root / "benchmarks/prm_heldout.py"), "--prm", "implicit:unused",
+                           "--dtype", "bfloat16", str(f)], capture_output=True, text=True)
+    assert done.returncode == 2 and "not an implicit" in done.stderr.strip().splitlines()[-1]
