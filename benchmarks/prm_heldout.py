@@ -120,8 +120,6 @@ def main() -> None:
         ap.error("give --prm FOLDER or --mc-vs-exact (one of them)")
     if args.mc_vs_exact and (args.tasks or args.predictions or args.dtype != "float32"):
         ap.error("--tasks, --predictions and --dtype go with --prm")
-    if args.prm and args.prm.startswith("implicit:") and args.dtype != "float32":
-        ap.error("--dtype is for a trained PRM folder, not an implicit:... spec")
     missing = [f for f in args.results if not Path(f).is_file()]
     if missing:  # e.g. an unexpanded glob: one line, exit 2
         ap.error(f"no such results file: {missing[0]}")

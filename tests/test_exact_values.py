@@ -25,6 +25,17 @@ def _searched(tmp_path, env: str, split: str, limit: int, strategy: str):
     return run
 
 
+def _heldout_script(*args):
+    """``benchmarks/prm_heldout.py ARGS`` run as a user runs it, from the repository root."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run([sys.executable, str(root / "benchmarks/prm_heldout.py"), *map(str, args)],
+                          capture_output=True, text=True, cwd=root)
+
+
 def _random_walk(env, rng, steps):
     for _ in range(steps):
         acts = env.valid_actions()
@@ -228,13 +239,7 @@ def test_a_prm_trained_on_exact_labels_is_marked_a_ceiling(tmp_path, tiny_hf_mod
 
 def test_heldout_script_names_a_missing_results_file_in_one_line(tmp_path):
     """An unexpanded glob (a folder without trees) is one error line and exit 2, not a traceback."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).parent.parent
-    done = subprocess.run([sys.executable, str(root / "benchmarks/prm_heldout.py"), "--mc-vs-exact",
-                           str(tmp_path / "trees/*.jsonl")], capture_output=True, text=True, cwd=root)
+    done = _heldout_script("--mc-vs-exact", tmp_path / "trees/*.jsonl")
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].endswith(f"no such results file: {tmp_path}/trees/*.jsonl")
     assert "Traceback" not in done.stderr
@@ -277,9 +282,6 @@ def test_heldout_on_some_tasks_writes_predictions_two_prms_compare(tmp_path, mon
     every scored step is one line; ``--compare A B`` pairs two such files on their shared steps
     (the oracle beats a coin before the end); a malformed line names its file and line."""
     import json
-    import subprocess
-    import sys
-    from pathlib import Path
 
     from reward_models.prm import ProcessRewardModel
     from train.loop_prm import compare_predictions, heldout
@@ -306,9 +308,7 @@ def test_heldout_on_some_tasks_writes_predictions_two_prms_compare(tmp_path, mon
         compare_predictions(tmp_path / "coin.jsonl", flipped)
     bad = tmp_path / "bad.jsonl"
     bad.write_text((tmp_path / "coin.jsonl").read_text() + "{not json\n")
-    root = Path(__file__).parent.parent
-    done = subprocess.run([sys.executable, str(root / "benchmarks/prm_heldout.py"), "--compare",
-                           str(tmp_path / "oracle.jsonl"), str(bad)], capture_output=True, text=True, cwd=root)
+    done = _heldout_script("--compare", tmp_path / "oracle.jsonl", bad)
     n = len(lines) + 1
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith(f"prm_heldout: error: {bad}:{n}:")
 
@@ -364,9 +364,6 @@ def test_heldout_scores_a_saved_prm_in_bfloat16(tmp_path, tiny_hf_model):
     steps as in float32, each score within bf16's rounding of the float32 one; ``--dtype`` with
     an implicit PRM or with ``--mc-vs-exact`` is one error."""
     import json
-    import subprocess
-    import sys
-    from pathlib import Path
 
     torch = pytest.importorskip("torch")
     from reward_models.prm import ProcessRewardModel
@@ -391,10 +388,7 @@ def test_heldout_scores_a_saved_prm_in_bfloat16(tmp_path, tiny_hf_model):
     assert max(diffs) < 0.05 and sum(diffs) / len(diffs) < 0.02
     with pytest.raises(ValueError, match="not an implicit"):
         load_scorer("implicit:unused", "bfloat16")
-    root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, str(root / "benchmarks/prm_heldout.py"), "--mc-vs-exact",
-                           "--dtype", "bfloat16", str(f)], capture_output=True, text=True)
+    done = _heldout_script("--mc-vs-exact", "--dtype", "bfloat16", f)
     assert done.returncode == 2 and "--dtype go with --prm" in done.stderr.strip().splitlines()[-1]
-    done = subprocess.run([sys.executable, str(root / "benchmarks/prm_heldout.py"), "--prm", "implicit:unused",
-                           "--dtype", "bfloat16", str(f)], capture_output=True, text=True)
+    done = _heldout_script("--prm", "implicit:unused", "--dtype", "bfloat16", f)
     assert done.returncode == 2 and "not an implicit" in done.stderr.strip().splitlines()[-1]

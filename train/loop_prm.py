@@ -97,10 +97,10 @@ def heldout(model_dir: str | Path, results_files: Sequence[str | Path], labels: 
     if tasks is not None:
         keep = set(sorted({r.task.task_id for r in results})[:tasks])
         results = [r for r in results if r.task.task_id in keep]
+    prm = load_scorer(model_dir, dtype)  # first: a PRM that cannot load fails before the labelling
     rows = label_results(results, rollouts=0, soft=labels)
     if not rows:
         return None
-    prm = load_scorer(model_dir, dtype)
     preds, gold, ends = step_predictions(prm, rows)
     if not preds:
         return None
