@@ -120,6 +120,18 @@ def test_killed_loop_resumes_to_the_unbroken_result(tiny_agent_model, tmp_path):
     assert (found["tasks"], found["successes"]) == (row["tasks"], row["successes"]) == (2, row["successes"])
     assert found["tokens_per_task"] == round((row["prompt_tokens"] + row["completion_tokens"]) / 2) > 0
     assert set(found["vs_best_greedy"]) == {"b_only", "a_only", "p_value"} and found["git"] == here
+    # the same settings again: the finished search is the answer; another budget: it runs again,
+    # the one before moved aside (the stage records the checkpoint, strategy and budget it ran on)
+    searched_at = (whole / "search_on_best" / "stage.json").stat().st_mtime_ns
+    subprocess.run(_cmd(extended), check=True, env=env, cwd=ROOT, capture_output=True, timeout=300)
+    assert (whole / "search_on_best" / "stage.json").stat().st_mtime_ns == searched_at
+    rebudget = extended[:-1] + ["best_budget=tokens=1200"]
+    subprocess.run(_cmd(rebudget), check=True, env=env, cwd=ROOT, capture_output=True, timeout=300)
+    aside = json.loads((whole / "search_on_best.replaced" / "stage.json").read_text())
+    assert aside["record"]["budget"] == "tokens=1500" and aside["inputs"]["budget"] == "tokens=1500"
+    again = json.loads((whole / "results.json").read_text())["search_on_best"]
+    assert again["budget"] == "tokens=1200" and again["policy"] == found["policy"]
+    assert {p: p.stat().st_mtime_ns for p in whole.glob("round_*/*/stage.json")} == before
 
     broken = tmp_path / "broken"
     proc = subprocess.Popen(_cmd(_argv(tiny_agent_model, broken)), env=env, cwd=ROOT,

@@ -75,11 +75,26 @@ class Run:
         else:
             _write_json(saved, mine)
 
-    def stage(self, name: str, fn: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
-        """Run ``fn(partial_dir)`` unless ``name`` has finished; returns its ``stage.json``."""
+    def stage(self, name: str, fn: Callable[[Path], dict[str, Any]],
+              inputs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Run ``fn(partial_dir)`` unless ``name`` has finished; returns its ``stage.json``.
+        ``inputs`` (recorded in it) are what the stage ran on that settings outside ``loop.json``
+        can change between runs (the checkpoint keep-best hands back once more rounds ran, the
+        search after the rounds): a finished stage that ran on other inputs is moved aside to
+        ``NAME.replaced[-N]``, kept for the record, and run again."""
         final = self.root / name
         if (final / "stage.json").exists():
-            return json.loads((final / "stage.json").read_text())
+            info = json.loads((final / "stage.json").read_text())
+            if inputs is None or info.get("inputs") == inputs:
+                return info
+            aside = final.with_name(final.name + ".replaced")
+            n = 1
+            while aside.exists():
+                n += 1
+                aside = final.with_name(f"{final.name}.replaced-{n}")
+            final.rename(aside)
+            print(f"[loop] {name} ran on {info.get('inputs')}, now {inputs}: moved to {aside.name}",
+                  file=sys.stderr, flush=True)
         if final.exists():
             shutil.rmtree(final)
         partial = final.with_name(final.name + ".partial")
@@ -87,6 +102,8 @@ class Run:
         print(f"[loop] {name} ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         info = fn(partial)
+        if inputs is not None:
+            info["inputs"] = inputs
         info["seconds"] = round(time.perf_counter() - t0, 1)
         info["git"] = self.git
         _write_json(partial / "stage.json", info)
@@ -180,10 +197,13 @@ def run_loop(cfg: LoopConfig) -> dict[str, Any]:
     _write_json(run.root / "best.json", {**best, "current": track.current})
     if cfg.dev_limit:  # the checkpoint handed back, on the test split (once, if no round's eval was it)
         if st.policy_spec(best["model"]) not in {h["eval"].get("policy") for h in history}:
-            best["eval"] = run.stage("eval_best", st.eval_stage(cfg, sets, best["model"], prm))
+            best["eval"] = run.stage("eval_best", st.eval_stage(cfg, sets, best["model"], prm),
+                                     inputs={"model": best["model"], "prm": prm})
         write_results(run, history, best=best)
     if cfg.best_search:
-        done = run.stage("search_on_best", st.best_search_stage(cfg, sets, track.best["model"], prm))
+        done = run.stage("search_on_best", st.best_search_stage(cfg, sets, track.best["model"], prm),
+                         inputs={"model": track.best["model"], "prm": prm, "strategy": cfg.best_search,
+                                 "budget": cfg.best_budget})
         write_results(run, history, done, best=best if cfg.dev_limit else None)
     return {h["round"]: h["eval"]["success"] for h in history}
 
