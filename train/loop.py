@@ -78,21 +78,16 @@ class Run:
     def stage(self, name: str, fn: Callable[[Path], dict[str, Any]],
               inputs: dict[str, Any] | None = None) -> dict[str, Any]:
         """Run ``fn(partial_dir)`` unless ``name`` has finished; returns its ``stage.json``.
-        ``inputs`` (recorded in it) are what the stage ran on that settings outside ``loop.json``
-        can change between runs (the checkpoint keep-best hands back once more rounds ran, the
-        search after the rounds): a finished stage that ran on other inputs is moved aside to
-        ``NAME.replaced[-N]``, kept for the record, and run again."""
+        ``inputs``, recorded in it, name what the stage depends on beyond the settings
+        ``loop.json`` pins (the best checkpoint, which more rounds can change; the search's
+        strategy and budget): a finished stage whose inputs differ is set aside
+        (:func:`_set_aside`) and run again."""
         final = self.root / name
         if (final / "stage.json").exists():
             info = json.loads((final / "stage.json").read_text())
             if inputs is None or info.get("inputs") == inputs:
                 return info
-            aside = final.with_name(final.name + ".replaced")
-            n = 1
-            while aside.exists():
-                n += 1
-                aside = final.with_name(f"{final.name}.replaced-{n}")
-            final.rename(aside)
+            aside = _set_aside(final)
             print(f"[loop] {name} ran on {info.get('inputs')}, now {inputs}: moved to {aside.name}",
                   file=sys.stderr, flush=True)
         if final.exists():
@@ -110,6 +105,17 @@ class Run:
         partial.rename(final)
         print(f"[loop] {name} done in {info['seconds']} s", file=sys.stderr, flush=True)
         return info
+
+
+def _set_aside(final: Path) -> Path:
+    """Move a finished stage folder to the first free ``NAME.replaced``, ``NAME.replaced-2``, ...
+    (kept for the record, never deleted); returns where it went."""
+    aside, n = final.with_name(final.name + ".replaced"), 1
+    while aside.exists():
+        n += 1
+        aside = final.with_name(f"{final.name}.replaced-{n}")
+    final.rename(aside)
+    return aside
 
 
 def _write_json(path: Path, obj: Any) -> None:
