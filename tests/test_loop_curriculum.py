@@ -13,7 +13,8 @@ from omrl_search.backends.scripted import OraclePolicy
 from omrl_search.policy import register_policy
 from train import loop_stages
 from train.loop import LoopConfig, run_loop
-from train.loop_curriculum import CurriculumSettings, choose, probe
+from train.config import TrainError
+from train.loop_curriculum import CurriculumSettings, choose, level_tasks, probe
 from train.loop_select import dev_slice, puzzle_key
 
 
@@ -100,3 +101,52 @@ def test_bad_curriculum_fails_before_anything_runs(cur, needle, tmp_path, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0]
     assert not out.exists()
+
+
+def _searched(root, r):
+    return [x.task.task_id for x in om.read_results(root / f"round_{r}/search/results.jsonl")]
+
+
+@pytest.mark.parametrize("train_tasks", ["same", "fresh"])
+def test_fresh_train_tasks_search_new_puzzles_each_round(train_tasks, tmp_path, monkeypatch):
+    """With ``train_tasks: fresh`` a round probes and searches the tasks after those every
+    earlier round took (the probe's and the chosen level's quota); with ``same`` it repeats them."""
+    monkeypatch.setattr(loop_stages, "run_trainer", lambda kind, settings: START)  # level 2 stays chosen
+    root = tmp_path / "run"
+    cfg = LoopConfig(env="game24", policy=START, rounds=2, out=str(root), prm=False, train_limit=10,
+                     train_tasks=train_tasks, search_strategy="best_of_n:n=2", search_budget="tokens=100000",
+                     curriculum={"knob": "level", "levels": [1, 2, 3], "probe_limit": 8},
+                     first=["sft"], then=["sft"], dev_limit=0, test_limit=2, eval_strategies="react",
+                     eval_budgets="tokens=100000", progress=False)
+    run_loop(cfg)
+    cur = CurriculumSettings(knob="level", levels=[1, 2, 3], probe_limit=8)
+    level2 = [t.task_id for t in level_tasks("game24", cur, 2, [])]
+    first, second = _searched(root, 1), _searched(root, 2)
+    r2 = json.loads((root / "round_2/curriculum/stage.json").read_text())
+    assert first == level2[:10] and r2["chosen"] == ["2"]
+    if train_tasks == "same":
+        assert second == first and "starts" not in r2
+    else:  # round 1 took 8 probe tasks of levels 1 and 3 and 10 of level 2 (its probe's 8 reused)
+        assert r2["starts"] == {"1": 8, "2": 10, "3": 8} and second == level2[10:20]
+        probed = [x.task.task_id for x in om.read_results(root / "round_2/curriculum/probe_0.jsonl")]
+        level1 = [t.task_id for t in level_tasks("game24", cur, 1, [])]
+        assert probed == level1[8:16]
+
+
+def test_fresh_train_tasks_fail_in_one_line_when_a_level_runs_out():
+    cur = CurriculumSettings(knob="level", levels=[1], probe_limit=4)
+    n = len(level_tasks("game24", cur, 1, []))
+    assert len(level_tasks("game24", cur, 1, [], n - 2, 5)) == 2  # same tasks: what is left
+    with pytest.raises(TrainError, match=f"has {n} train tasks, not the {n + 3}"):
+        level_tasks("game24", cur, 1, [], n - 2, 5, exact=True)
+
+
+def test_fresh_train_tasks_without_a_curriculum_take_the_pools_next_slice():
+    from types import SimpleNamespace
+
+    sets = SimpleNamespace(pool=list(range(25)))
+    cfg = SimpleNamespace(env="game24", train_limit=10, train_tasks="fresh")
+    assert loop_stages.pool_window(cfg, sets, 2) == list(range(10, 20))
+    with pytest.raises(TrainError, match="round 3 needs 30 game24 train tasks, the pool has 25"):
+        loop_stages.pool_window(cfg, sets, 3)
+    assert loop_stages.pool_window(SimpleNamespace(**{**vars(cfg), "train_tasks": "same"}), sets, 3) == list(range(10))

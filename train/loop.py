@@ -51,7 +51,8 @@ class LoopError(Exception):
 
 # --- stages ------------------------------------------------------------------------------------
 #: settings added after runs were started, as those runs behaved (their loop.json lacks them)
-LEGACY_SETTINGS = {"continue_from": "kept", "expert_levels": {}, "promote": "better", "test_splits": ["test"]}
+LEGACY_SETTINGS = {"continue_from": "kept", "expert_levels": {}, "promote": "better", "test_splits": ["test"],
+                   "train_tasks": "same"}
 
 
 class Run:

@@ -41,6 +41,9 @@ class LoopConfig(BaseModel):
     agent: AgentName = "react"
     # search on the train split (without the dev slice's puzzles)
     train_limit: int = Field(64, ge=1)
+    # which train tasks each round searches: the same ones every round (the pool's, or each
+    # curriculum level's, first), or fresh ones, after those every earlier round took
+    train_tasks: Literal["same", "fresh"] = "same"
     search_strategy: str = "best_of_n:n=4"
     search_budget: str = "tokens=4000"
     expert_demos: int = Field(0, ge=0)  # solver demonstrations added to round 1's data

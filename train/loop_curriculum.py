@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 import omrl_search as om
 from omrl_search.types import Task
 
+from .config import TrainError
 from .loop_select import without
 
 
@@ -52,9 +53,13 @@ class CurriculumSettings(BaseModel):
 
 
 def level_tasks(env: str, cur: CurriculumSettings, level: str | int, held: Sequence[Task],
-                start: int = 0, limit: int | None = None) -> list[Task]:
-    """The train tasks of ``level`` without ``held`` puzzles (the dev slice), ``[start:start+limit]``."""
+                start: int = 0, limit: int | None = None, exact: bool = False) -> list[Task]:
+    """The train tasks of ``level`` without ``held`` puzzles (the dev slice), ``[start:start+limit]``;
+    with ``exact``, one TrainError line when the level has fewer than that."""
     tasks = without(om.load_tasks(env, cur.split(level)), held)
+    if exact and limit is not None and start + limit > len(tasks):
+        raise TrainError(f"curriculum: level {level!r} of {env} has {len(tasks)} train tasks, "
+                         f"not the {start + limit} this round's fresh train tasks need")
     return tasks[start:] if limit is None else tasks[start:start + limit]
 
 
@@ -83,13 +88,15 @@ def choose(rates: dict[str, float], low: float, high: float) -> tuple[list[str],
 
 
 def probe(env: str, cur: CurriculumSettings, held: Sequence[Task],
-          searcher: Callable[[list[Task]], list[Any]]) -> tuple[dict[str, Any], dict[str, list[Any]]]:
-    """Search ``probe_limit`` tasks per level; ``({"rates", "counts", "chosen", "reason"},
-    {level: results})``."""
+          searcher: Callable[[list[Task]], list[Any]],
+          starts: dict[str, int] | None = None) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+    """Search ``probe_limit`` tasks per level (from ``starts[level]``, fresh train tasks: all of
+    them there); ``({"rates", "counts", "chosen", "reason"}, {level: results})``."""
     results: dict[str, list[Any]] = {}
     counts: dict[str, list[int]] = {}
     for level, name in zip(cur.levels, cur.names()):
-        tasks = level_tasks(env, cur, level, held, 0, cur.probe_limit)
+        tasks = level_tasks(env, cur, level, held, (starts or {}).get(name, 0), cur.probe_limit,
+                            exact=starts is not None)
         results[name] = searcher(tasks) if tasks else []
         counts[name] = [sum(bool(r.success) for r in results[name]), len(results[name])]
     rates = {n: (s / t if t else 0.0) for n, (s, t) in counts.items()}
@@ -101,3 +108,10 @@ def probe(env: str, cur: CurriculumSettings, held: Sequence[Task],
 def quotas(total: int, chosen: Sequence[str]) -> dict[str, int]:
     """Train tasks per chosen level for a round searching ``total`` tasks."""
     return {name: math.ceil(total / len(chosen)) for name in chosen}
+
+
+def taken(cur: CurriculumSettings, chosen: Sequence[str], total: int) -> dict[str, int]:
+    """How many of each level's train tasks a round searching ``total`` took: the probe's, and
+    the rest of a chosen level's quota after them (the search reuses the probed tasks)."""
+    want = quotas(total, chosen)
+    return {name: max(cur.probe_limit, want.get(name, 0)) for name in cur.names()}

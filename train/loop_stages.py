@@ -119,13 +119,30 @@ def _searcher(cfg: "LoopConfig", r: int, model: str, prm: str | None) -> Callabl
 # --- search --------------------------------------------------------------------------------------
 def curriculum_stage(cfg: "LoopConfig", sets: TaskSets, r: int, model: str, prm: str | None):
     def run(d: Path) -> dict[str, Any]:
-        info, results = curriculum.probe(cfg.env, cfg.curriculum, sets.dev, _searcher(cfg, r, model, prm))
+        starts = fresh_starts(cfg, r)
+        info, results = curriculum.probe(cfg.env, cfg.curriculum, sets.dev, _searcher(cfg, r, model, prm), starts)
+        if starts is not None:
+            info["starts"] = starts
         for i, name in enumerate(cfg.curriculum.names()):
             if results[name]:
                 check_disjoint([x.task for x in results[name]], sets.dev)
                 om.write_results(d / f"probe_{i}.jsonl", results[name])
         return info
     return run
+
+
+def fresh_starts(cfg: "LoopConfig", r: int) -> dict[str, int] | None:
+    """With ``train_tasks: fresh``, where round ``r``'s tasks start in each curriculum level's
+    stream: after all that the rounds before took (their curriculum records say which levels they
+    chose); None with ``same`` (every round from the start)."""
+    if cfg.train_tasks == "same":
+        return None
+    starts = dict.fromkeys(cfg.curriculum.names(), 0)
+    for q in range(1, r):
+        chosen = json.loads((cfg_path(cfg, q, "curriculum") / "stage.json").read_text())["chosen"]
+        for name, n in curriculum.taken(cfg.curriculum, chosen, cfg.train_limit).items():
+            starts[name] += n
+    return starts
 
 
 def search_stage(cfg: "LoopConfig", sets: TaskSets, r: int, model: str, prm: str | None,
@@ -137,16 +154,17 @@ def search_stage(cfg: "LoopConfig", sets: TaskSets, r: int, model: str, prm: str
         search = _searcher(cfg, r, model, prm)
         info: dict[str, Any] = {"policy": policy_spec(model)}
         if plan is None:
-            results = search(sets.pool[:cfg.train_limit])
+            results = search(pool_window(cfg, sets, r))
         else:
             results = []
-            names = cfg.curriculum.names()
+            names, starts = cfg.curriculum.names(), fresh_starts(cfg, r)
             for name, want in curriculum.quotas(cfg.train_limit, plan["chosen"]).items():
                 i = names.index(name)
                 probe = cfg_path(cfg, r, "curriculum") / f"probe_{i}.jsonl"
                 reused = list(read_results(probe))[:want] if probe.exists() else []
                 more = curriculum.level_tasks(cfg.env, cfg.curriculum, cfg.curriculum.levels[i], sets.dev,
-                                              cfg.curriculum.probe_limit, max(0, want - len(reused)))
+                                              (starts or {}).get(name, 0) + cfg.curriculum.probe_limit,
+                                              max(0, want - len(reused)), exact=starts is not None)
                 results += reused + (search(more) if more else [])
             info["levels"] = plan["chosen"]
         check_disjoint([x.task for x in results], sets.dev)
@@ -161,6 +179,16 @@ def search_stage(cfg: "LoopConfig", sets: TaskSets, r: int, model: str, prm: str
             info["demos"] = om.summarize(demos)
         return info
     return run
+
+
+def pool_window(cfg: "LoopConfig", sets: TaskSets, r: int) -> list[Task]:
+    """Round ``r``'s train tasks without a curriculum: the pool's first ``train_limit``, or with
+    ``train_tasks: fresh`` the ``r``-th ``train_limit`` of it (a TrainError if the pool is shorter)."""
+    start = 0 if cfg.train_tasks == "same" else (r - 1) * cfg.train_limit
+    if cfg.train_tasks == "fresh" and start + cfg.train_limit > len(sets.pool):
+        raise TrainError(f"train_tasks fresh: round {r} needs {start + cfg.train_limit} {cfg.env} train "
+                         f"tasks, the pool has {len(sets.pool)}")
+    return sets.pool[start:start + cfg.train_limit]
 
 
 def search_files(cfg: "LoopConfig", r: int) -> list[Path]:
