@@ -149,7 +149,8 @@ def search_stage(cfg: "LoopConfig", sets: TaskSets, r: int, model: str, prm: str
                  plan: dict[str, Any] | None = None):
     """The round's train-split search: ``train_limit`` tasks of the pool, or with a curriculum
     (``plan``: the curriculum stage's record) tasks of the chosen levels, the probed ones' results
-    reused; in round 1 also the solver demonstrations (``expert_demos``, ``expert_levels``)."""
+    reused and, with fresh train tasks, the rest from after them (``plan["starts"]``); in round 1
+    also the solver demonstrations (``expert_demos``, ``expert_levels``)."""
     def run(d: Path) -> dict[str, Any]:
         search = _searcher(cfg, r, model, prm)
         info: dict[str, Any] = {"policy": policy_spec(model)}
@@ -157,7 +158,7 @@ def search_stage(cfg: "LoopConfig", sets: TaskSets, r: int, model: str, prm: str
             results = search(pool_window(cfg, sets, r))
         else:
             results = []
-            names, starts = cfg.curriculum.names(), fresh_starts(cfg, r)
+            names, starts = cfg.curriculum.names(), plan.get("starts")
             for name, want in curriculum.quotas(cfg.train_limit, plan["chosen"]).items():
                 i = names.index(name)
                 probe = cfg_path(cfg, r, "curriculum") / f"probe_{i}.jsonl"
